@@ -1,0 +1,88 @@
+# pi0 - build the library (static + shared), the `pi0` command and the tests.
+#
+#   make            build/libpi0.a, build/libpi0.so, build/pi0
+#   make run        the main job: `pi0 bench` on built-in random weights of the real size
+#   make test       every CPU test (and a compile of every CUDA source when nvcc is present)
+#   make test-asan  the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer
+#   make test-gpu   the GPU tests (needs nvcc and a GPU)
+#
+# Dependencies: OpenBLAS (GEMMs) and jansson (JSON), found through pkg-config; override
+# BLAS_CFLAGS/BLAS_LIBS/JSON_CFLAGS/JSON_LIBS to point elsewhere. CUDA is used when nvcc is found.
+
+BUILD ?= build
+CC ?= cc
+OPT ?= -O2
+SANITIZE ?=
+
+PKG_CONFIG ?= pkg-config
+BLAS_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags openblas 2>/dev/null || echo -I/usr/include/x86_64-linux-gnu/openblas-openmp)
+BLAS_LIBS ?= $(shell $(PKG_CONFIG) --libs openblas 2>/dev/null || echo -lopenblas)
+JSON_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags jansson 2>/dev/null)
+JSON_LIBS ?= $(shell $(PKG_CONFIG) --libs jansson 2>/dev/null || echo -ljansson)
+
+CFLAGS_ALL = -std=c11 $(OPT) -g -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -fPIC -fopenmp \
+             -D_GNU_SOURCE -Iinclude -Isrc $(BLAS_CFLAGS) $(JSON_CFLAGS) $(SANITIZE) $(CFLAGS)
+LDLIBS_ALL = $(BLAS_LIBS) $(JSON_LIBS) -fopenmp -lm -lpthread $(SANITIZE) $(LDLIBS)
+
+LIB_SRC = $(wildcard src/*.c src/util/*.c src/io/*.c src/model/*.c src/cpu/*.c src/policy/*.c)
+CLI_SRC = $(wildcard cli/*.c)
+TEST_SRC = $(wildcard tests/test_*.c)
+
+# --- CUDA (optional) ----------------------------------------------------------------------------
+NVCC ?= $(shell command -v nvcc 2>/dev/null)
+CUDA_SRC = $(wildcard src/cuda/*.cu)
+CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_86,code=sm_86 \
+              -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90a,code=sm_90a
+ifneq ($(NVCC),)
+ifneq ($(CUDA_SRC),)
+WITH_CUDA = 1
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CFLAGS_ALL += -DPI0_WITH_CUDA -I$(CUDA_HOME)/include
+LDLIBS_ALL += -L$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart
+NVCCFLAGS = -O3 -std=c++17 $(CUDA_ARCHS) -Xcompiler -fPIC -Iinclude -Isrc --expt-relaxed-constexpr \
+            -Werror all-warnings
+endif
+endif
+
+LIB_OBJ = $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(WITH_CUDA),$(CUDA_SRC:%.cu=$(BUILD)/%.cu.o))
+CLI_OBJ = $(CLI_SRC:%.c=$(BUILD)/%.o)
+TEST_BIN = $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+
+.PHONY: all run test test-asan test-gpu clean
+all: $(BUILD)/libpi0.a $(BUILD)/libpi0.so $(BUILD)/pi0
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -MMD -MP -c $< -o $@
+
+$(BUILD)/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(BUILD)/libpi0.a: $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/libpi0.so: $(LIB_OBJ)
+	$(CC) -shared -o $@ $^ $(LDLIBS_ALL)
+
+$(BUILD)/pi0: $(CLI_OBJ) $(BUILD)/libpi0.a
+	$(CC) -o $@ $^ $(LDLIBS_ALL)
+
+$(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a tests/check.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
+
+run: $(BUILD)/pi0
+	$(BUILD)/pi0 bench
+
+test: $(TEST_BIN) $(BUILD)/pi0
+	PI0_BIN=$(BUILD)/pi0 tests/run.sh $(TEST_BIN)
+
+test-asan:
+	$(MAKE) BUILD=build-asan OPT=-O1 SANITIZE="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
+
+clean:
+	rm -rf build build-asan
+
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d)

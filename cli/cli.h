@@ -1,0 +1,38 @@
+/*
+ * cli.h - what the `pi0` subcommands share: exit codes, flag parsing, progress, model opening.
+ */
+#ifndef PI0_CLI_H
+#define PI0_CLI_H
+
+#include <stdint.h>
+
+#include "pi0.h"
+
+/* Exit codes: 0 success, 1 the work failed (bad checkpoint, bad input file, inference error),
+ * 2 the command line was wrong. */
+enum { EXIT_OK = 0, EXIT_FAILURE_RUN = 1, EXIT_USAGE = 2 };
+
+int cmd_sample(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+int cmd_inspect(int argc, char **argv);
+int cmd_init(int argc, char **argv);
+
+/* Prints "pi0 CMD: message" to stderr and returns EXIT_USAGE. */
+int usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Prints "pi0 CMD: error: message" to stderr and returns EXIT_FAILURE_RUN. */
+int run_error(const char *cmd, const pi0_error *err);
+
+/* Parse a whole decimal integer within [min, max]; return -1 on anything else. */
+int parse_int(const char *s, long long min, long long max, long long *out);
+
+/* Flag helpers for `for (i = 1; i < argc; i++)` loops: match argv[i] == name and take argv[++i]. */
+int flag_value(int argc, char **argv, int *i, const char *name, const char **value);
+
+/* A load-progress callback printing whole percents to stderr. */
+void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total);
+
+/* Loads `checkpoint`, or builds random weights (from `dims_path`, else the real Pi0 size) when it is NULL. */
+pi0_status open_model(const char *checkpoint, const char *dims_path, uint64_t seed, pi0_backend backend, int quiet,
+                      pi0_model **model, pi0_error *err);
+
+#endif

@@ -1,0 +1,141 @@
+/*
+ * pi0.h - inference engine for Physical Intelligence's Pi0 vision-language-action policy.
+ *
+ * The library loads an openpi PyTorch checkpoint (model.safetensors + config.json) and computes
+ * `sample_actions`: camera images, robot state and prompt token ids in, a chunk of actions out.
+ *
+ * Conventions:
+ *  - Every function that can fail returns a pi0_status and, when `err` is not NULL, fills it with a
+ *    one-line message naming the problem. The library never prints, exits or aborts.
+ *  - All arrays are dense, row-major, little-endian host memory owned by the caller.
+ *  - A pi0_model may be used by one thread at a time; load several models for concurrency.
+ */
+#ifndef PI0_H
+#define PI0_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    PI0_OK = 0,
+    PI0_ERR_INVALID_ARGUMENT, /* a caller-side mistake: bad shape, NULL pointer, out-of-range id */
+    PI0_ERR_IO,               /* a file could not be opened, mapped or written */
+    PI0_ERR_FORMAT,           /* a file is corrupt, truncated or not what it claims to be */
+    PI0_ERR_CHECKPOINT,       /* a tensor is missing or has the wrong shape or dtype */
+    PI0_ERR_OUT_OF_MEMORY,
+    PI0_ERR_BACKEND,          /* the backend is unavailable or failed (e.g. no GPU) */
+} pi0_status;
+
+typedef struct {
+    pi0_status status;
+    char message[512];
+} pi0_error;
+
+/* A short static name for a status ("invalid argument", ...). */
+const char *pi0_status_name(pi0_status status);
+
+typedef enum {
+    PI0_BACKEND_AUTO = 0, /* CUDA when the library was built with it and a GPU is present, else CPU */
+    PI0_BACKEND_CPU,      /* float32 reference backend */
+    PI0_BACKEND_CUDA,
+} pi0_backend;
+
+/* Parses "auto", "cpu" or "cuda". Returns 0 on success, -1 for an unknown name. */
+int pi0_backend_from_name(const char *name, pi0_backend *out);
+const char *pi0_backend_name(pi0_backend backend);
+
+/* Dimensions of one transformer stack. */
+typedef struct {
+    int width;
+    int depth;
+    int mlp_dim;
+    int num_heads;
+    int num_kv_heads;
+    int head_dim;
+} pi0_stack_dims;
+
+/* Every dimension of a Pi0 model. Loaded checkpoints derive these from tensor shapes and config.json. */
+typedef struct {
+    pi0_stack_dims vision;  /* SigLIP ViT (num_kv_heads == num_heads) */
+    int patch_size;         /* 14 */
+    int image_size;         /* 224: sqrt(number of position embeddings) * patch_size */
+    pi0_stack_dims llm;     /* Gemma prefix model ("expert 0") */
+    pi0_stack_dims expert;  /* action expert ("expert 1") */
+    int vocab_size;
+    int action_dim;         /* 32 */
+    int action_horizon;     /* default horizon H from config.json */
+    int max_token_len;      /* tokenized prompt length the policy pads to */
+} pi0_dims;
+
+/* The real Pi0 dimensions (So400m/14, gemma_2b, gemma_300m, H = 50, 48 prompt tokens). */
+pi0_dims pi0_dims_pi0(void);
+
+typedef struct {
+    pi0_backend backend;
+    int num_threads; /* CPU threads; 0 = one per core */
+    /* Called during loading with a stage name and progress in bytes; may be NULL. */
+    void (*progress)(void *user, const char *stage, uint64_t done, uint64_t total);
+    void *progress_user;
+} pi0_options;
+
+typedef struct pi0_model pi0_model;
+
+/* Loads `dir`/model.safetensors and `dir`/config.json. `options` may be NULL (defaults). */
+pi0_status pi0_model_load(const char *dir, const pi0_options *options, pi0_model **out, pi0_error *err);
+
+/* Builds a model of the given dims with deterministic random weights drawn from `seed`. */
+pi0_status pi0_model_random(const pi0_dims *dims, uint64_t seed, const pi0_options *options,
+                            pi0_model **out, pi0_error *err);
+
+/* Writes the model as a checkpoint directory (model.safetensors + config.json), in float32 or
+ * bfloat16 (`bf16` != 0). Creates `dir` if needed. */
+pi0_status pi0_model_save(const pi0_model *model, const char *dir, int bf16, pi0_error *err);
+
+void pi0_model_free(pi0_model *model);
+
+const pi0_dims *pi0_model_dims(const pi0_model *model);
+pi0_backend pi0_model_backend(const pi0_model *model);
+/* Number of parameters the engine uses (lm_head and other ignored tensors excluded). */
+uint64_t pi0_model_num_params(const pi0_model *model);
+
+/*
+ * A batch of B observations. Camera c of sample b is the image images[c] + b*S*S*3 (HWC, float in
+ * [-1, 1], S = dims.image_size); it takes part iff image_masks[b*num_cameras + c] != 0. Prompt token
+ * i of sample b is prompt_ids[b*prompt_len + i], valid iff prompt_mask[b*prompt_len + i] != 0.
+ * Invalid cameras and tokens are skipped: they do not change the result, and cost nothing.
+ */
+typedef struct {
+    int batch;
+    int num_cameras;
+    const float *const *images;  /* num_cameras pointers, each to (B, S, S, 3) */
+    const uint8_t *image_masks;  /* (B, num_cameras) */
+    int prompt_len;
+    const int32_t *prompt_ids;   /* (B, prompt_len) */
+    const uint8_t *prompt_mask;  /* (B, prompt_len) */
+    const float *state;          /* (B, action_dim), already normalized and padded */
+    int horizon;                 /* H; 0 = dims.action_horizon */
+    const float *noise;          /* (B, H, action_dim) x at t = 1; NULL = standard normal from noise_seed */
+    uint64_t noise_seed;
+    int num_steps;               /* Euler steps; 0 = 10 */
+} pi0_batch;
+
+/* Wall time spent in each stage of the last sample_actions call, in milliseconds. */
+typedef struct {
+    double vision_ms;  /* ViT + projector over the valid cameras */
+    double prefix_ms;  /* embedding + LLM prefix pass filling the K/V cache */
+    double denoise_ms; /* all Euler steps of the action expert */
+    double total_ms;
+} pi0_timings;
+
+/* Computes actions (B, H, action_dim) float32. `timings` may be NULL. */
+pi0_status pi0_sample_actions(pi0_model *model, const pi0_batch *batch, float *actions,
+                              pi0_timings *timings, pi0_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PI0_H */

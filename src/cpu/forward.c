@@ -1,0 +1,410 @@
+/*
+ * forward.c - Pi0's sample_actions in float32 on the CPU, top to bottom (PI0_SPEC §2-4):
+ *
+ *   vision:  valid camera images -> SigLIP ViT -> projector -> 256 tokens per image
+ *   prefix:  [image tokens, scaled prompt embeddings] -> Gemma LLM -> per-layer K/V cache
+ *   denoise: num_steps x (suffix = [state token, action tokens] -> action expert over the cache
+ *            -> velocity v; x <- x + dt v)
+ *
+ * Every stage works on the packed rows of plan.h: only valid tokens exist.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/cpu.h"
+#include "cpu/ops.h"
+#include "util/clock.h"
+#include "util/error.h"
+
+#define NORM_EPS 1e-6f
+
+/* Scratch of one Gemma block over `rows` rows; sized for the larger of prefix and suffix use. */
+typedef struct {
+    float *h, *q, *k, *v, *att, *gate, *up;
+} gemma_scratch;
+
+static void gemma_scratch_free(gemma_scratch *s) {
+    free(s->h), free(s->q), free(s->k), free(s->v), free(s->att), free(s->gate), free(s->up);
+    memset(s, 0, sizeof *s);
+}
+
+static int gemma_scratch_alloc(gemma_scratch *s, size_t rows, const pi0_stack_dims *d) {
+    size_t q = (size_t)d->num_heads * d->head_dim, kv = (size_t)d->num_kv_heads * d->head_dim;
+    s->h = malloc(rows * d->width * sizeof(float) + 1);
+    s->q = malloc(rows * q * sizeof(float) + 1);
+    s->k = malloc(rows * kv * sizeof(float) + 1);
+    s->v = malloc(rows * kv * sizeof(float) + 1);
+    s->att = malloc(rows * q * sizeof(float) + 1);
+    s->gate = malloc(rows * d->mlp_dim * sizeof(float) + 1);
+    s->up = malloc(rows * d->mlp_dim * sizeof(float) + 1);
+    return s->h && s->q && s->k && s->v && s->att && s->gate && s->up ? 0 : -1;
+}
+
+/* Where this call's rows live in the K/V cache, and what they attend to. */
+typedef struct {
+    int rows;
+    const int *positions;  /* RoPE position of each row */
+    const int *cache_row;  /* K/V cache row each row's K and V are written to */
+    const cpu_attn_segment *segments;
+    int num_segments;
+} gemma_rows;
+
+/*
+ * One Gemma block over x (rows, width), in place: x += attn(RMSNorm(x)) Wo; x += MLP(RMSNorm(x)).
+ * K and V of these rows are stored into the layer's cache before attention, so the rows attend to
+ * whatever the cache already holds (the prefix) and to each other. With kv_only the block stops
+ * once its K/V are stored: the prefix pass's last layer has no other use.
+ */
+static int gemma_block(const gemma_layer *l, const pi0_stack_dims *d, float *x, const gemma_rows *r, float *cache_k,
+                       float *cache_v, const cpu_rope_table *rope, gemma_scratch *s, int kv_only) {
+    int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
+    cpu_rmsnorm(s->h, x, r->rows, W, l->input_norm, NORM_EPS);
+    cpu_linear(s->q, s->h, r->rows, W, l->q_w, NULL, q_dim);
+    cpu_linear(s->k, s->h, r->rows, W, l->k_w, NULL, kv_dim);
+    cpu_linear(s->v, s->h, r->rows, W, l->v_w, NULL, kv_dim);
+    cpu_rope(s->q, r->rows, q_dim, d->num_heads, hd, r->positions, rope);
+    cpu_rope(s->k, r->rows, kv_dim, d->num_kv_heads, hd, r->positions, rope);
+    for (int i = 0; i < r->rows; i++) {
+        memcpy(cache_k + (size_t)r->cache_row[i] * kv_dim, s->k + (size_t)i * kv_dim, kv_dim * sizeof(float));
+        memcpy(cache_v + (size_t)r->cache_row[i] * kv_dim, s->v + (size_t)i * kv_dim, kv_dim * sizeof(float));
+    }
+    if (kv_only) return 0;
+    if (cpu_attention(s->att, q_dim, s->q, q_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
+                      d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd)))
+        return -1;
+    cpu_linear_add(x, s->att, r->rows, q_dim, l->o_w, NULL, W);
+    cpu_rmsnorm(s->h, x, r->rows, W, l->post_attn_norm, NORM_EPS);
+    cpu_linear(s->gate, s->h, r->rows, W, l->gate_w, NULL, d->mlp_dim);
+    cpu_linear(s->up, s->h, r->rows, W, l->up_w, NULL, d->mlp_dim);
+    cpu_gelu_mul(s->gate, s->up, (size_t)r->rows * d->mlp_dim);
+    cpu_linear_add(x, s->gate, r->rows, d->mlp_dim, l->down_w, NULL, W);
+    return 0;
+}
+
+/* ---- vision ------------------------------------------------------------------------------------ */
+
+/* Cuts an HWC image into patches flattened as (channel, row, col), matching (W, 3, p, p) weights. */
+static void extract_patches(const float *image, int image_size, int patch, float *out) {
+    int grid = image_size / patch, patch_dim = 3 * patch * patch;
+    for (int py = 0; py < grid; py++)
+        for (int px = 0; px < grid; px++) {
+            float *dst = out + (size_t)(py * grid + px) * patch_dim;
+            for (int c = 0; c < 3; c++)
+                for (int r = 0; r < patch; r++)
+                    for (int col = 0; col < patch; col++)
+                        dst[(c * patch + r) * patch + col] =
+                            image[((size_t)(py * patch + r) * image_size + px * patch + col) * 3 + c];
+        }
+}
+
+/* SigLIP over the plan's valid images, then the projector: out is (num_images * P, llm width). */
+static pi0_status vision_forward(const pi0_model *m, const pi0_plan *p, float *out, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    const pi0_weights *w = &m->weights;
+    const pi0_stack_dims *v = &d->vision;
+    int grid = d->image_size / d->patch_size, P = grid * grid, patch_dim = 3 * d->patch_size * d->patch_size;
+    int Dv = v->width, n = p->num_images;
+    size_t rows = (size_t)n * P;
+    if (n == 0) return PI0_OK;
+    float *patches = malloc(rows * patch_dim * sizeof(float)), *x = malloc(rows * Dv * sizeof(float));
+    float *h = malloc(rows * Dv * sizeof(float)), *q = malloc(rows * Dv * sizeof(float));
+    float *k = malloc(rows * Dv * sizeof(float)), *val = malloc(rows * Dv * sizeof(float));
+    float *att = malloc(rows * Dv * sizeof(float)), *mlp = malloc(rows * v->mlp_dim * sizeof(float));
+    cpu_attn_segment *segments = malloc((size_t)n * sizeof *segments);
+    pi0_status st = PI0_OK;
+    if (!patches || !x || !h || !q || !k || !val || !att || !mlp || !segments) {
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the vision encoder (%d images)", n);
+        goto done;
+    }
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < n; i++) extract_patches(p->images[i], d->image_size, d->patch_size, patches + (size_t)i * P * patch_dim);
+    cpu_linear(x, patches, (int)rows, patch_dim, w->patch_w, w->patch_b, Dv);
+    for (size_t r = 0; r < rows; r++)
+        for (int j = 0; j < Dv; j++) x[r * Dv + j] += w->pos_emb[(r % P) * Dv + j];
+    for (int i = 0; i < n; i++) segments[i] = (cpu_attn_segment){.q_row = i * P, .num_q = P, .k_row = i * P, .num_k = P};
+
+    for (int layer = 0; layer < v->depth; layer++) {
+        const vit_layer *l = &w->vit[layer];
+        cpu_layernorm(h, x, (int)rows, Dv, l->ln1_w, l->ln1_b, NORM_EPS);
+        cpu_linear(q, h, (int)rows, Dv, l->q_w, l->q_b, Dv);
+        cpu_linear(k, h, (int)rows, Dv, l->k_w, l->k_b, Dv);
+        cpu_linear(val, h, (int)rows, Dv, l->v_w, l->v_b, Dv);
+        if (cpu_attention(att, Dv, q, Dv, k, val, Dv, segments, n, v->num_heads, v->num_heads, v->head_dim,
+                          1.0f / sqrtf((float)v->head_dim))) {
+            st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in vision attention");
+            goto done;
+        }
+        cpu_linear_add(x, att, (int)rows, Dv, l->o_w, l->o_b, Dv);
+        cpu_layernorm(h, x, (int)rows, Dv, l->ln2_w, l->ln2_b, NORM_EPS);
+        cpu_linear(mlp, h, (int)rows, Dv, l->fc1_w, l->fc1_b, v->mlp_dim);
+        cpu_gelu_inplace(mlp, rows * v->mlp_dim);
+        cpu_linear_add(x, mlp, (int)rows, v->mlp_dim, l->fc2_w, l->fc2_b, Dv);
+    }
+    cpu_layernorm(h, x, (int)rows, Dv, w->post_ln_w, w->post_ln_b, NORM_EPS);
+    cpu_linear(out, h, (int)rows, Dv, w->proj_w, w->proj_b, d->llm.width);
+done:
+    free(patches), free(x), free(h), free(q), free(k), free(val), free(att), free(mlp), free(segments);
+    return st;
+}
+
+/* ---- prefix ------------------------------------------------------------------------------------ */
+
+/* Packs [image tokens, prompt embeddings * sqrt(width)] of every sample into x (total_prefix, D). */
+static void embed_prefix(const pi0_model *m, const pi0_plan *p, const float *vision_tokens, float *x) {
+    int D = m->dims.llm.width, P = (m->dims.image_size / m->dims.patch_size) * (m->dims.image_size / m->dims.patch_size);
+    float scale = (float)sqrt((double)D);
+    for (int b = 0; b < p->batch; b++) {
+        float *row = x + (size_t)p->prefix_start[b] * D;
+        size_t image_floats = (size_t)(p->image_start[b + 1] - p->image_start[b]) * P * D;
+        memcpy(row, vision_tokens + (size_t)p->image_start[b] * P * D, image_floats * sizeof(float));
+        row += image_floats;
+        for (int i = p->prompt_start[b]; i < p->prompt_start[b + 1]; i++, row += D) {
+            const float *e = m->weights.embed + (size_t)p->prompt_ids[i] * D;
+            for (int j = 0; j < D; j++) row[j] = e[j] * scale;
+        }
+    }
+}
+
+/* The LLM over every valid prefix token, filling each layer's K/V cache; nothing else is kept. */
+static pi0_status prefix_forward(const pi0_model *m, const pi0_plan *p, float *x, float **cache_k, float **cache_v,
+                                 const cpu_rope_table *rope, pi0_error *err) {
+    const pi0_stack_dims *d = &m->dims.llm;
+    int rows = p->total_prefix;
+    int *positions = malloc(sizeof(int) * ((size_t)rows + 1)), *cache_row = malloc(sizeof(int) * ((size_t)rows + 1));
+    cpu_attn_segment *segments = malloc(sizeof *segments * (size_t)p->batch);
+    gemma_scratch s = {0};
+    pi0_status st = PI0_OK;
+    if (!positions || !cache_row || !segments || gemma_scratch_alloc(&s, (size_t)rows, d)) {
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the prefix pass (%d tokens)", rows);
+        goto done;
+    }
+    for (int b = 0; b < p->batch; b++) {
+        for (int i = 0; i < p->prefix_len[b]; i++) {
+            positions[p->prefix_start[b] + i] = i;
+            cache_row[p->prefix_start[b] + i] = p->cache_start[b] + i;
+        }
+        segments[b] = (cpu_attn_segment){.q_row = p->prefix_start[b], .num_q = p->prefix_len[b],
+                                         .k_row = p->cache_start[b], .num_k = p->prefix_len[b]};
+    }
+    gemma_rows r = {rows, positions, cache_row, segments, p->batch};
+    for (int layer = 0; layer < d->depth; layer++)
+        if (gemma_block(&m->weights.llm[layer], d, x, &r, cache_k[layer], cache_v[layer], rope, &s,
+                        layer == d->depth - 1)) {
+            st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in prefix attention");
+            break;
+        }
+done:
+    free(positions), free(cache_row), free(segments);
+    gemma_scratch_free(&s);
+    return st;
+}
+
+/* ---- denoise ----------------------------------------------------------------------------------- */
+
+/* Sin-cos embedding of the flow time t over `width` features (PI0_SPEC §2). */
+static void time_embedding(float t, int width, float *out) {
+    int half = width / 2;
+    for (int i = 0; i < half; i++) {
+        double fraction = half > 1 ? (double)i / (half - 1) : 0.0;
+        double period = 4e-3 * pow(4.0 / 4e-3, fraction);
+        double angle = (double)t * 2.0 * M_PI / period;
+        out[i] = (float)sin(angle);
+        out[half + i] = (float)cos(angle);
+    }
+}
+
+typedef struct {
+    float *suffix;      /* (B (H+1), We) the expert's residual stream */
+    float *action_emb;  /* (B H, We) */
+    float *mlp_in;      /* (B H, 2 We) [action embedding, time embedding] */
+    float *hidden;      /* (B H, We) */
+    float *state_token; /* (B, We) */
+    float *velocity;    /* (B H, A) */
+    float *time_emb;    /* (We) */
+    int *positions, *cache_row;
+    cpu_attn_segment *segments;
+    gemma_scratch block;
+} denoise_buffers;
+
+static void denoise_free(denoise_buffers *b) {
+    free(b->suffix), free(b->action_emb), free(b->mlp_in), free(b->hidden), free(b->state_token);
+    free(b->velocity), free(b->time_emb), free(b->positions), free(b->cache_row), free(b->segments);
+    gemma_scratch_free(&b->block);
+}
+
+static int denoise_alloc(denoise_buffers *b, const pi0_dims *d, int B, int H) {
+    size_t We = (size_t)d->expert.width, rows = (size_t)B * (H + 1), actions = (size_t)B * H;
+    memset(b, 0, sizeof *b);
+    b->suffix = malloc(rows * We * sizeof(float));
+    b->action_emb = malloc(actions * We * sizeof(float));
+    b->mlp_in = malloc(actions * 2 * We * sizeof(float));
+    b->hidden = malloc(actions * We * sizeof(float));
+    b->state_token = malloc((size_t)B * We * sizeof(float));
+    b->velocity = malloc(actions * d->action_dim * sizeof(float));
+    b->time_emb = malloc(We * sizeof(float));
+    b->positions = malloc(rows * sizeof(int));
+    b->cache_row = malloc(rows * sizeof(int));
+    b->segments = malloc((size_t)B * sizeof(cpu_attn_segment));
+    return b->suffix && b->action_emb && b->mlp_in && b->hidden && b->state_token && b->velocity && b->time_emb &&
+                   b->positions && b->cache_row && b->segments && !gemma_scratch_alloc(&b->block, rows, &d->expert)
+               ? 0
+               : -1;
+}
+
+/* Suffix token i of sample b sits at position prefix_len + i and at cache row cache_start + prefix_len + i.
+ * The state token (i = 0) sees the prefix and itself; action tokens see everything. */
+static void denoise_layout(const pi0_plan *p, denoise_buffers *b) {
+    int S = p->horizon + 1;
+    for (int s = 0; s < p->batch; s++) {
+        for (int i = 0; i < S; i++) {
+            b->positions[s * S + i] = p->prefix_len[s] + i;
+            b->cache_row[s * S + i] = p->cache_start[s] + p->prefix_len[s] + i;
+        }
+        b->segments[s] = (cpu_attn_segment){.q_row = s * S, .num_q = S, .k_row = p->cache_start[s],
+                                            .num_k = p->prefix_len[s] + S, .state_keys = p->prefix_len[s] + 1};
+    }
+}
+
+/* v(x_t, t): the action expert's velocity for every sample, into b->velocity (B H, A). */
+static int velocity(const pi0_model *m, const pi0_plan *p, const float *x_t, float t, float **cache_k,
+                    float **cache_v, const cpu_rope_table *rope, denoise_buffers *b) {
+    const pi0_dims *d = &m->dims;
+    const pi0_weights *w = &m->weights;
+    int We = d->expert.width, A = d->action_dim, H = p->horizon, S = H + 1, actions = p->batch * H;
+
+    /* action tokens: action_time_mlp_out(swish(action_time_mlp_in([action_in_proj(x), time_emb(t)]))) */
+    cpu_linear(b->action_emb, x_t, actions, A, w->action_in_w, w->action_in_b, We);
+    time_embedding(t, We, b->time_emb);
+    for (int i = 0; i < actions; i++) {
+        memcpy(b->mlp_in + (size_t)i * 2 * We, b->action_emb + (size_t)i * We, We * sizeof(float));
+        memcpy(b->mlp_in + (size_t)i * 2 * We + We, b->time_emb, We * sizeof(float));
+    }
+    cpu_linear(b->hidden, b->mlp_in, actions, 2 * We, w->time_in_w, w->time_in_b, We);
+    cpu_swish_inplace(b->hidden, (size_t)actions * We);
+    cpu_linear(b->action_emb, b->hidden, actions, We, w->time_out_w, w->time_out_b, We);
+
+    /* suffix = [state token, action tokens] per sample */
+    for (int s = 0; s < p->batch; s++) {
+        memcpy(b->suffix + (size_t)s * S * We, b->state_token + (size_t)s * We, We * sizeof(float));
+        memcpy(b->suffix + ((size_t)s * S + 1) * We, b->action_emb + (size_t)s * H * We, (size_t)H * We * sizeof(float));
+    }
+    gemma_rows r = {p->batch * S, b->positions, b->cache_row, b->segments, p->batch};
+    for (int layer = 0; layer < d->expert.depth; layer++)
+        if (gemma_block(&w->expert[layer], &d->expert, b->suffix, &r, cache_k[layer], cache_v[layer], rope, &b->block, 0))
+            return -1;
+
+    /* v = action_out_proj(final_norm(suffix)[1:]) */
+    cpu_rmsnorm(b->block.h, b->suffix, p->batch * S, We, w->expert_norm, NORM_EPS);
+    for (int s = 0; s < p->batch; s++)
+        memcpy(b->hidden + (size_t)s * H * We, b->block.h + ((size_t)s * S + 1) * We, (size_t)H * We * sizeof(float));
+    cpu_linear(b->velocity, b->hidden, actions, We, w->action_out_w, w->action_out_b, A);
+    return 0;
+}
+
+/* Euler integration of the flow from t = 1 (noise) to t = 0 (actions), all in float32 like openpi. */
+static pi0_status denoise(const pi0_model *m, const pi0_plan *p, float **cache_k, float **cache_v,
+                          const cpu_rope_table *rope, float *actions, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    size_t n = (size_t)p->batch * p->horizon * d->action_dim;
+    denoise_buffers b;
+    if (denoise_alloc(&b, d, p->batch, p->horizon)) {
+        denoise_free(&b);
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the denoise loop");
+    }
+    denoise_layout(p, &b);
+    cpu_linear(b.state_token, p->state, p->batch, d->action_dim, m->weights.state_proj_w, m->weights.state_proj_b,
+               d->expert.width);
+    memcpy(actions, p->noise, n * sizeof(float));
+    float dt = -1.0f / (float)p->num_steps, t = 1.0f;
+    pi0_status st = PI0_OK;
+    for (int step = 0; step < p->num_steps; step++) {
+        if (velocity(m, p, actions, t, cache_k, cache_v, rope, &b)) {
+            st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in expert attention");
+            break;
+        }
+        for (size_t i = 0; i < n; i++) actions[i] += dt * b.velocity[i];
+        t += dt;
+    }
+    denoise_free(&b);
+    return st;
+}
+
+/* ---- sample_actions ---------------------------------------------------------------------------- */
+
+static void free_cache(float **cache, int depth) {
+    for (int l = 0; cache && l < depth; l++) free(cache[l]);
+    free(cache);
+}
+
+static float **alloc_cache(int depth, size_t floats_per_layer) {
+    float **cache = calloc((size_t)depth, sizeof(float *));
+    for (int l = 0; cache && l < depth; l++)
+        if (!(cache[l] = malloc(floats_per_layer * sizeof(float) + 1))) {
+            free_cache(cache, depth);
+            return NULL;
+        }
+    return cache;
+}
+
+static void trace_copy(cpu_trace *trace, const pi0_model *m, const pi0_plan *p, const float *vision_tokens,
+                       float **cache_k, float **cache_v) {
+    const pi0_dims *d = &m->dims;
+    int P = (d->image_size / d->patch_size) * (d->image_size / d->patch_size);
+    size_t cache_floats = (size_t)p->cache_rows * d->llm.num_kv_heads * d->llm.head_dim;
+    if (trace->vision_tokens)
+        memcpy(trace->vision_tokens, vision_tokens, (size_t)p->num_images * P * d->llm.width * sizeof(float));
+    for (int l = 0; l < d->llm.depth; l++) {
+        if (trace->cache_k) memcpy(trace->cache_k[l], cache_k[l], cache_floats * sizeof(float));
+        if (trace->cache_v) memcpy(trace->cache_v[l], cache_v[l], cache_floats * sizeof(float));
+    }
+}
+
+pi0_status cpu_sample_traced(const pi0_model *m, const pi0_plan *p, float *actions, pi0_timings *timings,
+                             cpu_trace *trace, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    int P = (d->image_size / d->patch_size) * (d->image_size / d->patch_size);
+    size_t cache_floats = (size_t)p->cache_rows * d->llm.num_kv_heads * d->llm.head_dim;
+    float *vision_tokens = malloc((size_t)p->num_images * P * d->llm.width * sizeof(float) + 1);
+    float *x = malloc((size_t)p->total_prefix * d->llm.width * sizeof(float) + 1);
+    float **cache_k = alloc_cache(d->llm.depth, cache_floats), **cache_v = alloc_cache(d->llm.depth, cache_floats);
+    cpu_rope_table rope = {0};
+    pi0_status st = PI0_OK;
+    if (!vision_tokens || !x || !cache_k || !cache_v || cpu_rope_table_init(&rope, p->max_prefix + p->horizon + 1, d->llm.head_dim)) {
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a batch of %d (%d prefix tokens)", p->batch,
+                      p->total_prefix);
+        goto done;
+    }
+    double t0 = pi0_now_ms();
+    if ((st = vision_forward(m, p, vision_tokens, err))) goto done;
+    double t1 = pi0_now_ms();
+    embed_prefix(m, p, vision_tokens, x);
+    if ((st = prefix_forward(m, p, x, cache_k, cache_v, &rope, err))) goto done;
+    double t2 = pi0_now_ms();
+    if (trace) trace_copy(trace, m, p, vision_tokens, cache_k, cache_v);
+    if ((st = denoise(m, p, cache_k, cache_v, &rope, actions, err))) goto done;
+    double t3 = pi0_now_ms();
+    if (timings) *timings = (pi0_timings){.vision_ms = t1 - t0, .prefix_ms = t2 - t1, .denoise_ms = t3 - t2, .total_ms = t3 - t0};
+done:
+    free(vision_tokens);
+    free(x);
+    free_cache(cache_k, d->llm.depth);
+    free_cache(cache_v, d->llm.depth);
+    cpu_rope_table_free(&rope);
+    return st;
+}
+
+static pi0_status cpu_init(pi0_model *m, pi0_error *err) {
+    (void)m, (void)err;
+    return PI0_OK; /* works straight from the float32 host weights */
+}
+
+static pi0_status cpu_sample(pi0_model *m, const pi0_plan *p, float *actions, pi0_timings *timings, pi0_error *err) {
+    return cpu_sample_traced(m, p, actions, timings, NULL, err);
+}
+
+static void cpu_release(pi0_model *m) {
+    (void)m;
+}
+
+const pi0_backend_ops pi0_cpu_backend = {"cpu", cpu_init, cpu_sample, cpu_release};

@@ -1,0 +1,143 @@
+#include "model/checkpoint.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "model/config.h"
+#include "util/error.h"
+
+#define ANCHOR "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+
+/* The prefix is whatever precedes the anchor tensor's canonical name. */
+static pi0_status find_prefix(const st_file *f, char *prefix, size_t size, const char *path, pi0_error *err) {
+    size_t anchor_len = strlen(ANCHOR);
+    for (int i = 0; i < f->num_tensors; i++) {
+        const char *name = f->tensors[i].name;
+        size_t len = strlen(name);
+        if (len >= anchor_len && !strcmp(name + len - anchor_len, ANCHOR)) {
+            if (len - anchor_len >= size) break;
+            memcpy(prefix, name, len - anchor_len);
+            prefix[len - anchor_len] = 0;
+            return PI0_OK;
+        }
+    }
+    return pi0_fail(err, PI0_ERR_CHECKPOINT, "%s: not a Pi0 checkpoint: no tensor named %s (with any prefix)", path,
+                    ANCHOR);
+}
+
+pi0_status checkpoint_open(const char *dir, checkpoint *ck, pi0_error *err) {
+    char path[4096], config[4096];
+    memset(ck, 0, sizeof *ck);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    snprintf(config, sizeof config, "%s/config.json", dir);
+    pi0_status st = st_open(path, &ck->file, err);
+    if (!st) st = find_prefix(&ck->file, ck->prefix, sizeof ck->prefix, path, err);
+    if (!st) st = config_derive_dims(&ck->file, ck->prefix, config, &ck->dims, err);
+    if (st) checkpoint_close(ck);
+    return st;
+}
+
+void checkpoint_close(checkpoint *ck) {
+    st_close(&ck->file);
+    memset(ck, 0, sizeof *ck);
+}
+
+const st_tensor *checkpoint_tensor(const checkpoint *ck, const weight_spec *spec) {
+    char name[256];
+    snprintf(name, sizeof name, "%s%s", ck->prefix, spec->name);
+    return st_find(&ck->file, name);
+}
+
+int checkpoint_ignored(const char *name) {
+    return strstr(name, "lm_head.") != NULL;
+}
+
+static int shape_matches(const st_tensor *t, const weight_spec *s) {
+    if (t->rank != s->rank) return 0;
+    for (int i = 0; i < s->rank; i++)
+        if (t->shape[i] != s->shape[i]) return 0;
+    return 1;
+}
+
+static int float_dtype(st_dtype dtype) {
+    return dtype == ST_F32 || dtype == ST_BF16 || dtype == ST_F16;
+}
+
+pi0_status checkpoint_check(const checkpoint *ck, const weight_spec *specs, int count, pi0_error *err) {
+    char want[96], have[96];
+    for (int i = 0; i < count; i++) {
+        const weight_spec *s = &specs[i];
+        const st_tensor *t = checkpoint_tensor(ck, s);
+        st_shape_str(s->rank, s->shape, want, sizeof want);
+        if (!t) return pi0_fail(err, PI0_ERR_CHECKPOINT, "missing tensor %s%s (expected shape %s)", ck->prefix, s->name, want);
+        if (!shape_matches(t, s))
+            return pi0_fail(err, PI0_ERR_CHECKPOINT, "tensor %s has shape %s, expected %s", t->name,
+                            st_shape_str(t->rank, t->shape, have, sizeof have), want);
+        if (!float_dtype(t->dtype))
+            return pi0_fail(err, PI0_ERR_CHECKPOINT, "tensor %s has dtype %s, expected F32, BF16 or F16", t->name,
+                            st_dtype_name(t->dtype));
+    }
+    return PI0_OK;
+}
+
+pi0_status checkpoint_read(const checkpoint *ck, const weight_spec *specs, int count,
+                           void (*progress)(void *, const char *, uint64_t, uint64_t), void *user, pi0_error *err) {
+    pi0_status st = checkpoint_check(ck, specs, count, err);
+    if (st) return st;
+    uint64_t total = 0, done = 0;
+    for (int i = 0; i < count; i++) total += checkpoint_tensor(ck, &specs[i])->nbytes;
+    for (int i = 0; i < count; i++) {
+        const st_tensor *t = checkpoint_tensor(ck, &specs[i]);
+        st_to_f32(t, *specs[i].slot);
+        done += t->nbytes;
+        if (progress) progress(user, "loading weights", done, total);
+    }
+    return PI0_OK;
+}
+
+/* Round-to-nearest-even float32 -> bfloat16 (NaN stays NaN). */
+static uint16_t f32_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+pi0_status checkpoint_write(const char *dir, const pi0_dims *dims, const weight_spec *specs, int count, int bf16,
+                            pi0_error *err) {
+    char path[4096];
+    if (mkdir(dir, 0755) && errno != EEXIST) return pi0_fail(err, PI0_ERR_IO, "cannot create %s: %s", dir, strerror(errno));
+    st_writer w;
+    st_writer_init(&w);
+    uint16_t **halves = calloc((size_t)count, sizeof *halves);
+    pi0_status st = halves ? PI0_OK : pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    for (int i = 0; i < count && !st; i++) {
+        const weight_spec *s = &specs[i];
+        const void *data = *s->slot;
+        if (bf16) {
+            if (!(halves[i] = malloc(s->numel * sizeof(uint16_t) + 1))) {
+                st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory converting %s to bf16", s->name);
+                break;
+            }
+            for (uint64_t j = 0; j < s->numel; j++) halves[i][j] = f32_to_bf16((*s->slot)[j]);
+            data = halves[i];
+        }
+        st = st_writer_add(&w, s->name, bf16 ? ST_BF16 : ST_F32, s->rank, s->shape, data, err);
+    }
+    if (!st) {
+        snprintf(path, sizeof path, "%s/model.safetensors", dir);
+        st = st_writer_write(&w, path, err);
+    }
+    if (!st) {
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        st = config_write(dims, path, bf16, err);
+    }
+    for (int i = 0; halves && i < count; i++) free(halves[i]);
+    free(halves);
+    st_writer_free(&w);
+    return st;
+}

@@ -1,0 +1,302 @@
+#include "model/config.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "util/error.h"
+
+#define VISION "paligemma_with_expert.paligemma.model.vision_tower.vision_model."
+#define LLM "paligemma_with_expert.paligemma.model.language_model."
+#define EXPERT "paligemma_with_expert.gemma_expert.model."
+
+pi0_dims pi0_dims_pi0(void) {
+    return (pi0_dims){
+        .vision = {.width = 1152, .depth = 27, .mlp_dim = 4304, .num_heads = 16, .num_kv_heads = 16, .head_dim = 72},
+        .patch_size = 14,
+        .image_size = 224,
+        .llm = {.width = 2048, .depth = 18, .mlp_dim = 16384, .num_heads = 8, .num_kv_heads = 1, .head_dim = 256},
+        .expert = {.width = 1024, .depth = 18, .mlp_dim = 4096, .num_heads = 8, .num_kv_heads = 1, .head_dim = 256},
+        .vocab_size = 257152,
+        .action_dim = 32,
+        .action_horizon = 50,
+        .max_token_len = 48,
+    };
+}
+
+/* Head layout of openpi's Gemma variants (gemma.py get_config); the LoRA variants share it. */
+static int gemma_variant_heads(const char *variant, pi0_stack_dims *d) {
+    if (!variant) return 0;
+    if (!strcmp(variant, "gemma_2b") || !strcmp(variant, "gemma_2b_lora") || !strcmp(variant, "gemma_300m") ||
+        !strcmp(variant, "gemma_300m_lora")) {
+        d->num_heads = 8, d->num_kv_heads = 1, d->head_dim = 256;
+        return 1;
+    }
+    return 0;
+}
+
+/* Size of axis `axis` of tensor prefix+name, or -1 when absent. */
+static int64_t dim_of(const st_file *f, const char *prefix, const char *name, int axis) {
+    char full[256];
+    snprintf(full, sizeof full, "%s%s", prefix, name);
+    const st_tensor *t = st_find(f, full);
+    return t && axis < t->rank ? t->shape[axis] : -1;
+}
+
+/* Number of consecutive layers.{i} holding `probe`. */
+static int count_layers(const st_file *f, const char *prefix, const char *root, const char *probe) {
+    char name[256];
+    int n = 0;
+    for (;; n++) {
+        snprintf(name, sizeof name, "%slayers.%d.%s", root, n, probe);
+        if (dim_of(f, prefix, name, 0) < 0) return n;
+    }
+}
+
+static pi0_status gemma_dims_from_shapes(const st_file *f, const char *prefix, const char *root, const char *what,
+                                         pi0_stack_dims *d, int64_t *q_rows, int64_t *kv_rows, pi0_error *err) {
+    char name[256];
+    d->depth = count_layers(f, prefix, root, "self_attn.q_proj.weight");
+    if (d->depth == 0)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "no %s layers: missing tensor %s%slayers.0.self_attn.q_proj.weight",
+                        what, prefix, root);
+#define SHAPE(suffix, axis) (snprintf(name, sizeof name, "%slayers.0.%s", root, suffix), dim_of(f, prefix, name, axis))
+    d->width = (int)SHAPE("self_attn.q_proj.weight", 1);
+    *q_rows = SHAPE("self_attn.q_proj.weight", 0);
+    *kv_rows = SHAPE("self_attn.k_proj.weight", 0);
+    d->mlp_dim = (int)SHAPE("mlp.gate_proj.weight", 0);
+#undef SHAPE
+    if (*kv_rows < 0 || d->mlp_dim < 0)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "%s layer 0 lacks k_proj or gate_proj", what);
+    return PI0_OK;
+}
+
+/* Reads a positive integer field; absent leaves *out untouched. */
+static pi0_status json_dim(json_t *obj, const char *key, int *out, const char *path, pi0_error *err) {
+    json_t *v = obj ? json_object_get(obj, key) : NULL;
+    if (!v) return PI0_OK;
+    if (!json_is_integer(v) || json_integer_value(v) <= 0 || json_integer_value(v) > (1 << 24))
+        return pi0_fail(err, PI0_ERR_FORMAT, "%s: \"%s\" must be a positive integer", path, key);
+    *out = (int)json_integer_value(v);
+    return PI0_OK;
+}
+
+/* Takes head counts from a config `dims` block, and checks what shapes already told. */
+static pi0_status stack_from_json(json_t *obj, pi0_stack_dims *d, const char *what, const char *path, pi0_error *err) {
+    if (!obj) return PI0_OK;
+    pi0_stack_dims c = *d;
+    if (json_dim(obj, "num_heads", &d->num_heads, path, err) || json_dim(obj, "num_kv_heads", &d->num_kv_heads, path, err) ||
+        json_dim(obj, "head_dim", &d->head_dim, path, err) || json_dim(obj, "width", &c.width, path, err) ||
+        json_dim(obj, "depth", &c.depth, path, err) || json_dim(obj, "mlp_dim", &c.mlp_dim, path, err))
+        return err ? err->status : PI0_ERR_FORMAT;
+    if (c.width != d->width || c.depth != d->depth || c.mlp_dim != d->mlp_dim)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT,
+                        "%s: dims.%s says width %d depth %d mlp %d but the tensors have width %d depth %d mlp %d", path,
+                        what, c.width, c.depth, c.mlp_dim, d->width, d->depth, d->mlp_dim);
+    return PI0_OK;
+}
+
+/* Fills num_heads/head_dim of a Gemma stack when config.json did not: Gemma's head_dim is 256. */
+static pi0_status gemma_heads(pi0_stack_dims *d, int64_t q_rows, int64_t kv_rows, const char *what, pi0_error *err) {
+    if (d->head_dim == 0 && q_rows % 256 == 0 && kv_rows % 256 == 0) d->head_dim = 256;
+    if (d->head_dim <= 0)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT,
+                        "cannot tell %s's head_dim from q_proj (%lld rows): set dims.%s.head_dim in config.json", what,
+                        (long long)q_rows, what);
+    if (d->num_heads == 0) d->num_heads = (int)(q_rows / d->head_dim);
+    if (d->num_kv_heads == 0) d->num_kv_heads = (int)(kv_rows / d->head_dim);
+    if ((int64_t)d->num_heads * d->head_dim != q_rows || (int64_t)d->num_kv_heads * d->head_dim != kv_rows)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT,
+                        "%s: %d heads x %d head_dim (%d kv heads) do not match q_proj rows %lld / k_proj rows %lld", what,
+                        d->num_heads, d->head_dim, d->num_kv_heads, (long long)q_rows, (long long)kv_rows);
+    return PI0_OK;
+}
+
+static pi0_status vision_dims(const st_file *f, const char *prefix, pi0_dims *dims, pi0_error *err) {
+    pi0_stack_dims *v = &dims->vision;
+    v->width = (int)dim_of(f, prefix, VISION "embeddings.patch_embedding.weight", 0);
+    dims->patch_size = (int)dim_of(f, prefix, VISION "embeddings.patch_embedding.weight", 2);
+    int64_t positions = dim_of(f, prefix, VISION "embeddings.position_embedding.weight", 0);
+    if (v->width <= 0 || dims->patch_size <= 0 || positions <= 0)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "missing %s" VISION "embeddings.{patch,position}_embedding.weight",
+                        prefix);
+    int64_t grid = (int64_t)llround(sqrt((double)positions));
+    if (grid * grid != positions)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "position_embedding has %lld rows, not a square grid of patches",
+                        (long long)positions);
+    dims->image_size = (int)grid * dims->patch_size;
+    v->depth = count_layers(f, prefix, VISION "encoder.", "layer_norm1.weight");
+    v->mlp_dim = (int)dim_of(f, prefix, VISION "encoder.layers.0.mlp.fc1.weight", 0);
+    if (v->depth == 0 || v->mlp_dim <= 0)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "no vision encoder layers (missing %s" VISION "encoder.layers.0.*)",
+                        prefix);
+    return PI0_OK;
+}
+
+/* The vision head count cannot come from shapes: So400m (width 1152) has 16 heads of 72. */
+static pi0_status vision_heads(pi0_stack_dims *v, pi0_error *err) {
+    if (v->num_heads == 0 && v->width == 1152) v->num_heads = 16;
+    if (v->num_heads == 0)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT,
+                        "cannot tell the vision head count for width %d: set dims.vision.num_heads in config.json",
+                        v->width);
+    if (v->width % v->num_heads)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "vision width %d is not divisible by %d heads", v->width, v->num_heads);
+    v->head_dim = v->width / v->num_heads;
+    v->num_kv_heads = v->num_heads;
+    return PI0_OK;
+}
+
+static json_t *load_config(const char *path, pi0_error *err) {
+    json_error_t jerr;
+    json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) {
+        pi0_fail(err, PI0_ERR_FORMAT, "%s:%d:%d: %s", path, jerr.line, jerr.column, jerr.text);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        json_decref(root);
+        pi0_fail(err, PI0_ERR_FORMAT, "%s: not a JSON object", path);
+        return NULL;
+    }
+    return root;
+}
+
+static pi0_status apply_config(json_t *cfg, const char *path, pi0_dims *dims, int64_t llm_q, int64_t llm_kv,
+                               int64_t exp_q, int64_t exp_kv, pi0_error *err) {
+    int action_dim = dims->action_dim;
+    if (json_dim(cfg, "action_dim", &action_dim, path, err) || json_dim(cfg, "action_horizon", &dims->action_horizon, path, err) ||
+        json_dim(cfg, "max_token_len", &dims->max_token_len, path, err))
+        return err ? err->status : PI0_ERR_FORMAT;
+    if (action_dim != dims->action_dim)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "%s: action_dim %d but action_in_proj takes %d", path, action_dim,
+                        dims->action_dim);
+    json_t *variant = json_object_get(cfg, "paligemma_variant");
+    gemma_variant_heads(json_string_value(variant), &dims->llm);
+    variant = json_object_get(cfg, "action_expert_variant");
+    gemma_variant_heads(json_string_value(variant), &dims->expert);
+    json_t *d = json_object_get(cfg, "dims");
+    if (d && !json_is_object(d)) return pi0_fail(err, PI0_ERR_FORMAT, "%s: \"dims\" must be an object", path);
+    if (d) {
+        if (stack_from_json(json_object_get(d, "vision"), &dims->vision, "vision", path, err) ||
+            stack_from_json(json_object_get(d, "llm"), &dims->llm, "llm", path, err) ||
+            stack_from_json(json_object_get(d, "expert"), &dims->expert, "expert", path, err))
+            return err ? err->status : PI0_ERR_FORMAT;
+    }
+    if (gemma_heads(&dims->llm, llm_q, llm_kv, "llm", err) || gemma_heads(&dims->expert, exp_q, exp_kv, "expert", err) ||
+        vision_heads(&dims->vision, err))
+        return err ? err->status : PI0_ERR_CHECKPOINT;
+    return PI0_OK;
+}
+
+pi0_status config_derive_dims(const st_file *f, const char *prefix, const char *config_path, pi0_dims *dims,
+                              pi0_error *err) {
+    memset(dims, 0, sizeof *dims);
+    dims->action_horizon = 50;
+    dims->max_token_len = 48;
+    pi0_status st = vision_dims(f, prefix, dims, err);
+    if (st) return st;
+    int64_t llm_q, llm_kv, exp_q, exp_kv;
+    if ((st = gemma_dims_from_shapes(f, prefix, LLM, "llm", &dims->llm, &llm_q, &llm_kv, err)) ||
+        (st = gemma_dims_from_shapes(f, prefix, EXPERT, "expert", &dims->expert, &exp_q, &exp_kv, err)))
+        return st;
+    dims->vocab_size = (int)dim_of(f, prefix, LLM "embed_tokens.weight", 0);
+    dims->action_dim = (int)dim_of(f, prefix, "action_in_proj.weight", 1);
+    if (dims->vocab_size <= 0 || dims->action_dim <= 0)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "missing %s" LLM "embed_tokens.weight or %saction_in_proj.weight",
+                        prefix, prefix);
+
+    json_t *cfg = NULL;
+    if (access(config_path, F_OK) == 0 && !(cfg = load_config(config_path, err))) return err ? err->status : PI0_ERR_FORMAT;
+    st = apply_config(cfg, config_path, dims, llm_q, llm_kv, exp_q, exp_kv, err);
+    json_decref(cfg);
+    return st ? st : dims_validate(dims, err);
+}
+
+static pi0_status stack_validate(const pi0_stack_dims *d, const char *what, pi0_error *err) {
+    if (d->width <= 0 || d->depth <= 0 || d->mlp_dim <= 0 || d->num_heads <= 0 || d->num_kv_heads <= 0 || d->head_dim <= 0)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s dims must all be positive", what);
+    if (d->num_heads % d->num_kv_heads)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s: %d heads are not a multiple of %d kv heads", what,
+                        d->num_heads, d->num_kv_heads);
+    if ((int64_t)d->width * d->mlp_dim > ((int64_t)1 << 34) || d->width > (1 << 16) || d->depth > 1024)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s dims are implausibly large", what);
+    return PI0_OK;
+}
+
+pi0_status dims_validate(const pi0_dims *d, pi0_error *err) {
+    pi0_status st;
+    if ((st = stack_validate(&d->vision, "vision", err)) || (st = stack_validate(&d->llm, "llm", err)) ||
+        (st = stack_validate(&d->expert, "expert", err)))
+        return st;
+    if (d->vision.num_heads * d->vision.head_dim != d->vision.width)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "vision heads x head_dim must equal its width");
+    if (d->llm.num_heads != d->expert.num_heads || d->llm.num_kv_heads != d->expert.num_kv_heads ||
+        d->llm.head_dim != d->expert.head_dim)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT,
+                        "the LLM and the action expert must share heads, kv heads and head_dim (joint attention)");
+    if (d->llm.head_dim % 2) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "head_dim must be even for RoPE");
+    if (d->patch_size <= 0 || d->image_size <= 0 || d->image_size % d->patch_size || d->image_size > 4096)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "image_size %d must be a positive multiple of patch_size %d",
+                        d->image_size, d->patch_size);
+    if (d->vocab_size <= 0 || d->action_dim <= 0 || d->action_horizon <= 0 || d->max_token_len <= 0 ||
+        d->vocab_size > (1 << 24) || d->action_dim > 4096 || d->action_horizon > 4096 || d->max_token_len > 65536)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "vocab, action_dim, action_horizon and max_token_len must be positive and sane");
+    return PI0_OK;
+}
+
+static json_t *stack_json(const pi0_stack_dims *d) {
+    return json_pack("{s:i,s:i,s:i,s:i,s:i,s:i}", "width", d->width, "depth", d->depth, "mlp_dim", d->mlp_dim,
+                     "num_heads", d->num_heads, "num_kv_heads", d->num_kv_heads, "head_dim", d->head_dim);
+}
+
+pi0_status config_write(const pi0_dims *d, const char *path, int bf16, pi0_error *err) {
+    json_t *dims = json_pack("{s:o,s:o,s:o,s:i,s:i,s:i}", "vision", stack_json(&d->vision), "llm", stack_json(&d->llm),
+                             "expert", stack_json(&d->expert), "vocab", d->vocab_size, "patch", d->patch_size,
+                             "image_size", d->image_size);
+    json_t *root = json_pack("{s:i,s:i,s:i,s:s,s:s,s:s,s:o}", "action_dim", d->action_dim, "action_horizon",
+                             d->action_horizon, "max_token_len", d->max_token_len, "paligemma_variant", "custom",
+                             "action_expert_variant", "custom", "precision", bf16 ? "bfloat16" : "float32", "dims", dims);
+    if (!root) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot build %s", path);
+    int rc = json_dump_file(root, path, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(root);
+    return rc ? pi0_fail(err, PI0_ERR_IO, "cannot write %s", path) : PI0_OK;
+}
+
+static pi0_status stack_from_file(json_t *obj, pi0_stack_dims *d, const char *what, const char *path, pi0_error *err) {
+    if (!json_is_object(obj)) return pi0_fail(err, PI0_ERR_FORMAT, "%s: dims.%s must be an object", path, what);
+    if (json_dim(obj, "width", &d->width, path, err) || json_dim(obj, "depth", &d->depth, path, err) ||
+        json_dim(obj, "mlp_dim", &d->mlp_dim, path, err) || json_dim(obj, "num_heads", &d->num_heads, path, err) ||
+        json_dim(obj, "num_kv_heads", &d->num_kv_heads, path, err) || json_dim(obj, "head_dim", &d->head_dim, path, err))
+        return err ? err->status : PI0_ERR_FORMAT;
+    return PI0_OK;
+}
+
+pi0_status config_load_dims(const char *path, pi0_dims *dims, pi0_error *err) {
+    json_t *cfg = load_config(path, err);
+    if (!cfg) return err ? err->status : PI0_ERR_FORMAT;
+    *dims = pi0_dims_pi0();
+    json_t *d = json_object_get(cfg, "dims");
+    pi0_status st = PI0_OK;
+    if (!json_is_object(d)) st = pi0_fail(err, PI0_ERR_FORMAT, "%s: no \"dims\" object", path);
+    if (!st) st = stack_from_file(json_object_get(d, "vision"), &dims->vision, "vision", path, err);
+    if (!st) st = stack_from_file(json_object_get(d, "llm"), &dims->llm, "llm", path, err);
+    if (!st) st = stack_from_file(json_object_get(d, "expert"), &dims->expert, "expert", path, err);
+    if (!st && (json_dim(d, "vocab", &dims->vocab_size, path, err) || json_dim(d, "patch", &dims->patch_size, path, err) ||
+                json_dim(d, "image_size", &dims->image_size, path, err) ||
+                json_dim(cfg, "action_dim", &dims->action_dim, path, err) ||
+                json_dim(cfg, "action_horizon", &dims->action_horizon, path, err) ||
+                json_dim(cfg, "max_token_len", &dims->max_token_len, path, err)))
+        st = err ? err->status : PI0_ERR_FORMAT;
+    if (!st) {
+        /* a vision block need not spell out head_dim and kv heads: they follow from width and heads */
+        if (dims->vision.num_heads > 0 && !json_object_get(json_object_get(d, "vision"), "head_dim"))
+            dims->vision.head_dim = dims->vision.width / dims->vision.num_heads;
+        dims->vision.num_kv_heads = dims->vision.num_heads;
+        st = dims_validate(dims, err);
+    }
+    json_decref(cfg);
+    return st;
+}

@@ -1,0 +1,26 @@
+/*
+ * config.h - a model's dims: derived from tensor shapes wherever shapes can tell, and from
+ * config.json (`dims`, or the variant names gemma_2b / gemma_300m / So400m) where they cannot,
+ * e.g. how q_proj's rows split into heads x head_dim.
+ */
+#ifndef PI0_MODEL_CONFIG_H
+#define PI0_MODEL_CONFIG_H
+
+#include "io/safetensors.h"
+#include "pi0.h"
+
+/* `config_path` may name a missing file: defaults (H = 50, 48 prompt tokens) then apply. */
+pi0_status config_derive_dims(const st_file *file, const char *prefix, const char *config_path, pi0_dims *dims,
+                              pi0_error *err);
+
+/* Checks that dims describe a model the engine can run. */
+pi0_status dims_validate(const pi0_dims *dims, pi0_error *err);
+
+/* Reads every dim from a config.json-style file (the `dims` block config_write writes; the real Pi0
+ * dims fill whatever it leaves out). For building random models of any size. */
+pi0_status config_load_dims(const char *path, pi0_dims *dims, pi0_error *err);
+
+/* Writes config.json in openpi's format plus a `dims` block. */
+pi0_status config_write(const pi0_dims *dims, const char *path, int bf16, pi0_error *err);
+
+#endif

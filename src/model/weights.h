@@ -1,0 +1,88 @@
+/*
+ * weights.h - the float32 host copy of every Pi0 parameter, and the one table that names them.
+ *
+ * weights_specs() lists every tensor the engine uses with its checkpoint name (PI0_SPEC §5), its
+ * shape for the given dims, the part of the model it belongs to and the slot that holds it. Loading,
+ * random initialisation, saving, `pi0 inspect` and parameter counting all walk this one table, so
+ * the checkpoint layout is written down exactly once.
+ */
+#ifndef PI0_MODEL_WEIGHTS_H
+#define PI0_MODEL_WEIGHTS_H
+
+#include <stdint.h>
+
+#include "pi0.h"
+
+typedef struct {
+    float *ln1_w, *ln1_b;
+    float *q_w, *q_b, *k_w, *k_b, *v_w, *v_b, *o_w, *o_b;
+    float *ln2_w, *ln2_b;
+    float *fc1_w, *fc1_b, *fc2_w, *fc2_b;
+} vit_layer;
+
+/* One Gemma block of either expert. Linear weights are (out, in); no biases. */
+typedef struct {
+    float *input_norm;                  /* RMSNorm scale, used as (1 + w) */
+    float *q_w, *k_w, *v_w, *o_w;
+    float *post_attn_norm;
+    float *gate_w, *up_w, *down_w;
+} gemma_layer;
+
+typedef struct {
+    /* SigLIP vision tower + projector */
+    float *patch_w, *patch_b;          /* (Dv, 3, p, p), (Dv) */
+    float *pos_emb;                    /* (num_patches, Dv) */
+    vit_layer *vit;                    /* [vision.depth] */
+    float *post_ln_w, *post_ln_b;
+    float *proj_w, *proj_b;            /* (D, Dv), (D) */
+    /* Gemma LLM over the prefix */
+    float *embed;                      /* (vocab, D) */
+    gemma_layer *llm;                  /* [llm.depth] */
+    float *llm_norm;                   /* kept for saving; the prefix pass does not need it */
+    /* action expert over the suffix */
+    gemma_layer *expert;               /* [expert.depth] */
+    float *expert_norm;
+    /* action heads */
+    float *state_proj_w, *state_proj_b;        /* (We, A) */
+    float *action_in_w, *action_in_b;          /* (We, A) */
+    float *action_out_w, *action_out_b;        /* (A, We) */
+    float *time_in_w, *time_in_b;              /* (We, 2 We) */
+    float *time_out_w, *time_out_b;            /* (We, We) */
+    float *arena;                      /* one allocation holding every tensor above */
+} pi0_weights;
+
+typedef enum { PART_VISION, PART_PROJECTOR, PART_EMBEDDING, PART_LLM, PART_EXPERT, PART_ACTION_HEADS, PART_COUNT } weight_part;
+
+/* How random weights are drawn for a tensor. */
+typedef enum {
+    INIT_FAN_IN,   /* uniform with std 1/sqrt(last dim product) */
+    INIT_BIAS,     /* small uniform */
+    INIT_ZERO_MEAN_SCALE, /* RMSNorm scale w, used as 1 + w: small around 0 */
+    INIT_UNIT_SCALE,      /* LayerNorm scale: around 1 */
+} weight_init;
+
+typedef struct {
+    char name[128];      /* checkpoint name without any prefix */
+    int rank;
+    int64_t shape[4];
+    uint64_t numel;
+    weight_part part;
+    weight_init init;
+    float **slot;        /* where the tensor's pointer lives in pi0_weights */
+} weight_spec;
+
+const char *weight_part_name(weight_part part);
+
+/* Allocates the layer arrays of `w` and returns the table for `dims` in *specs (caller frees).
+ * Returns the number of entries, or -1 when out of memory. */
+int weights_specs(const pi0_dims *dims, pi0_weights *w, weight_spec **specs);
+
+/* Allocates one arena for every tensor of `specs` and points the slots into it. */
+pi0_status weights_alloc(pi0_weights *w, const weight_spec *specs, int count, pi0_error *err);
+
+/* Fills every tensor from a counter-based generator: same seed, same weights, any thread count. */
+void weights_init_random(const weight_spec *specs, int count, uint64_t seed);
+
+void weights_free(pi0_weights *w);
+
+#endif

@@ -1,0 +1,157 @@
+/*
+ * pi0.c - the public API: load or create a model, choose its backend, run sample_actions.
+ */
+#include <cblas.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/model.h"
+#include "util/error.h"
+
+int pi0_backend_from_name(const char *name, pi0_backend *out) {
+    if (!name) return -1;
+    if (!strcmp(name, "auto")) *out = PI0_BACKEND_AUTO;
+    else if (!strcmp(name, "cpu")) *out = PI0_BACKEND_CPU;
+    else if (!strcmp(name, "cuda")) *out = PI0_BACKEND_CUDA;
+    else return -1;
+    return 0;
+}
+
+const char *pi0_backend_name(pi0_backend backend) {
+    switch (backend) {
+    case PI0_BACKEND_AUTO: return "auto";
+    case PI0_BACKEND_CPU: return "cpu";
+    case PI0_BACKEND_CUDA: return "cuda";
+    }
+    return "?";
+}
+
+static pi0_status pick_backend(pi0_backend wanted, pi0_backend *chosen, const pi0_backend_ops **ops, pi0_error *err) {
+#ifdef PI0_WITH_CUDA
+    if (wanted == PI0_BACKEND_CUDA || (wanted == PI0_BACKEND_AUTO && pi0_cuda_available())) {
+        if (!pi0_cuda_available()) return pi0_fail(err, PI0_ERR_BACKEND, "the cuda backend needs a CUDA GPU; none is usable");
+        *chosen = PI0_BACKEND_CUDA;
+        *ops = &pi0_cuda_backend;
+        return PI0_OK;
+    }
+#else
+    if (wanted == PI0_BACKEND_CUDA)
+        return pi0_fail(err, PI0_ERR_BACKEND, "this build of pi0 has no cuda backend (nvcc was not found at build time)");
+#endif
+    *chosen = PI0_BACKEND_CPU;
+    *ops = &pi0_cpu_backend;
+    return PI0_OK;
+}
+
+static void apply_threads(const pi0_options *opts) {
+    if (opts && opts->num_threads > 0) {
+        omp_set_num_threads(opts->num_threads);
+        openblas_set_num_threads(opts->num_threads);
+    }
+}
+
+/* A model with its table and arena allocated for `dims`, weights not yet filled. */
+static pi0_status model_new(const pi0_dims *dims, const pi0_options *opts, pi0_model **out, pi0_error *err) {
+    pi0_model *m = calloc(1, sizeof *m);
+    if (!m) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    m->dims = *dims;
+    pi0_status st = pick_backend(opts ? opts->backend : PI0_BACKEND_AUTO, &m->backend, &m->ops, err);
+    if (!st && (m->num_specs = weights_specs(dims, &m->weights, &m->specs)) < 0)
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    if (!st) st = weights_alloc(&m->weights, m->specs, m->num_specs, err);
+    if (st) {
+        m->ops = NULL;
+        pi0_model_free(m);
+        return st;
+    }
+    apply_threads(opts);
+    *out = m;
+    return PI0_OK;
+}
+
+/* Hands the filled host weights to the backend. */
+static pi0_status model_ready(pi0_model *m, pi0_model **out, pi0_error *err) {
+    pi0_status st = m->ops->init(m, err);
+    if (st) {
+        m->ops = NULL;
+        pi0_model_free(m);
+        return st;
+    }
+    *out = m;
+    return PI0_OK;
+}
+
+pi0_status pi0_model_load(const char *dir, const pi0_options *opts, pi0_model **out, pi0_error *err) {
+    if (!dir || !out) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "pi0_model_load: dir and out are required");
+    *out = NULL;
+    checkpoint ck;
+    pi0_status st = checkpoint_open(dir, &ck, err);
+    if (st) return st;
+    pi0_model *m = NULL;
+    st = model_new(&ck.dims, opts, &m, err);
+    if (!st) st = checkpoint_check(&ck, m->specs, m->num_specs, err);
+    if (!st)
+        st = checkpoint_read(&ck, m->specs, m->num_specs, opts ? opts->progress : NULL, opts ? opts->progress_user : NULL,
+                             err);
+    checkpoint_close(&ck);
+    if (st) {
+        if (m) m->ops = NULL;
+        pi0_model_free(m);
+        return st;
+    }
+    return model_ready(m, out, err);
+}
+
+pi0_status pi0_model_random(const pi0_dims *dims, uint64_t seed, const pi0_options *opts, pi0_model **out,
+                            pi0_error *err) {
+    if (!dims || !out) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "pi0_model_random: dims and out are required");
+    *out = NULL;
+    pi0_status st = dims_validate(dims, err);
+    pi0_model *m = NULL;
+    if (!st) st = model_new(dims, opts, &m, err);
+    if (st) return st;
+    weights_init_random(m->specs, m->num_specs, seed);
+    return model_ready(m, out, err);
+}
+
+pi0_status pi0_model_save(const pi0_model *m, const char *dir, int bf16, pi0_error *err) {
+    if (!m || !dir) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "pi0_model_save: model and dir are required");
+    return checkpoint_write(dir, &m->dims, m->specs, m->num_specs, bf16, err);
+}
+
+void pi0_model_free(pi0_model *m) {
+    if (!m) return;
+    if (m->ops) m->ops->release(m);
+    weights_free(&m->weights);
+    free(m->specs);
+    free(m);
+}
+
+const pi0_dims *pi0_model_dims(const pi0_model *m) {
+    return &m->dims;
+}
+
+pi0_backend pi0_model_backend(const pi0_model *m) {
+    return m->backend;
+}
+
+uint64_t pi0_model_num_params(const pi0_model *m) {
+    uint64_t n = 0;
+    for (int i = 0; i < m->num_specs; i++) n += m->specs[i].numel;
+    return n;
+}
+
+pi0_status pi0_sample_actions(pi0_model *m, const pi0_batch *batch, float *actions, pi0_timings *timings,
+                              pi0_error *err) {
+    if (!m || !batch || !actions)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "pi0_sample_actions: model, batch and actions are required");
+    pi0_plan plan;
+    pi0_status st = plan_build(&m->dims, batch, &plan, err);
+    if (st) return st;
+    st = m->ops->sample(m, &plan, actions, timings, err);
+    plan_free(&plan);
+    return st;
+}

@@ -1,0 +1,75 @@
+/*
+ * check.h - the test harness: each tests/test_*.c is one program of TEST functions run by RUN in
+ * main(); a TEST passes when none of its CHECKs failed. The program prints one line per test and
+ * ends with "N passed, N failed"; tests/run.sh adds the counts of every program up.
+ */
+#ifndef PI0_TESTS_CHECK_H
+#define PI0_TESTS_CHECK_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int check_test_failed, check_passed, check_failed;
+static const char *check_filter;
+
+#define CHECK(cond, ...)                                                                   \
+    do {                                                                                   \
+        if (!(cond)) {                                                                     \
+            fprintf(stderr, "  %s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);     \
+            fprintf(stderr, "" __VA_ARGS__);                                               \
+            fprintf(stderr, "\n");                                                         \
+            check_test_failed = 1;                                                         \
+        }                                                                                  \
+    } while (0)
+
+/* Fails the test and leaves it when `cond` is false: for checks later code depends on. */
+#define REQUIRE(cond, ...)                                                                 \
+    do {                                                                                   \
+        CHECK(cond, __VA_ARGS__);                                                          \
+        if (check_test_failed) return;                                                     \
+    } while (0)
+
+#define RUN(fn) check_run(#fn, fn)
+
+static inline void check_run(const char *name, void (*fn)(void)) {
+    if (check_filter && !strstr(name, check_filter)) return;
+    check_test_failed = 0;
+    fprintf(stderr, "test %s ...\n", name);
+    fn();
+    printf("%s %s\n", check_test_failed ? "FAIL" : "ok  ", name);
+    fflush(stdout);
+    if (check_test_failed) check_failed++;
+    else check_passed++;
+}
+
+/* argv[1], when given, selects the tests whose name contains it. */
+static inline void check_init(int argc, char **argv) {
+    check_filter = argc > 1 ? argv[1] : NULL;
+}
+
+static inline int check_finish(void) {
+    printf("%d passed, %d failed\n", check_passed, check_failed);
+    return check_failed ? 1 : 0;
+}
+
+/* ||a - b|| / ||b|| over n elements; NaN anywhere gives infinity. */
+static inline double rel_error(const float *a, const float *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - (double)b[i];
+        if (isnan(a[i]) || isnan(b[i])) return INFINITY;
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* Directory of the shared fixtures: $PI0_FIXTURES or ../shared/fixtures. */
+static inline const char *fixtures_dir(void) {
+    const char *dir = getenv("PI0_FIXTURES");
+    return dir ? dir : "../shared/fixtures";
+}
+
+#endif
