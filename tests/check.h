@@ -18,7 +18,7 @@ static const char *check_filter;
     do {                                                                                   \
         if (!(cond)) {                                                                     \
             fprintf(stderr, "  %s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);     \
-            fprintf(stderr, "" __VA_ARGS__);                                               \
+            fprintf(stderr, " " __VA_ARGS__);                                              \
             fprintf(stderr, "\n");                                                         \
             check_test_failed = 1;                                                         \
         }                                                                                  \
@@ -30,6 +30,9 @@ static const char *check_filter;
         CHECK(cond, __VA_ARGS__);                                                          \
         if (check_test_failed) return;                                                     \
     } while (0)
+
+/* Declares a test: TEST(name) { ... CHECK(...); } */
+#define TEST(name) static void name(void)
 
 #define RUN(fn) check_run(#fn, fn)
 

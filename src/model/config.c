@@ -3,6 +3,7 @@
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -45,20 +46,26 @@ static int64_t dim_of(const st_file *f, const char *prefix, const char *name, in
     return t && axis < t->rank ? t->shape[axis] : -1;
 }
 
-/* Number of consecutive layers.{i} holding `probe`. */
-static int count_layers(const st_file *f, const char *prefix, const char *root, const char *probe) {
-    char name[256];
-    int n = 0;
-    for (;; n++) {
-        snprintf(name, sizeof name, "%slayers.%d.%s", root, n, probe);
-        if (dim_of(f, prefix, name, 0) < 0) return n;
+/* Depth of a stack: one more than the highest i of any tensor named prefix+root+"layers.{i}.". Taking
+ * the highest, not the first gap, makes a missing tensor in the middle an error that names it. */
+static int count_layers(const st_file *f, const char *prefix, const char *root) {
+    char head[256];
+    int depth = 0;
+    size_t head_len = (size_t)snprintf(head, sizeof head, "%s%slayers.", prefix, root);
+    for (int i = 0; i < f->num_tensors; i++) {
+        const char *name = f->tensors[i].name;
+        if (strncmp(name, head, head_len)) continue;
+        char *end;
+        long layer = strtol(name + head_len, &end, 10);
+        if (end != name + head_len && *end == '.' && layer >= 0 && layer < 4096 && layer + 1 > depth) depth = (int)layer + 1;
     }
+    return depth;
 }
 
 static pi0_status gemma_dims_from_shapes(const st_file *f, const char *prefix, const char *root, const char *what,
                                          pi0_stack_dims *d, int64_t *q_rows, int64_t *kv_rows, pi0_error *err) {
     char name[256];
-    d->depth = count_layers(f, prefix, root, "self_attn.q_proj.weight");
+    d->depth = count_layers(f, prefix, root);
     if (d->depth == 0)
         return pi0_fail(err, PI0_ERR_CHECKPOINT, "no %s layers: missing tensor %s%slayers.0.self_attn.q_proj.weight",
                         what, prefix, root);
@@ -68,8 +75,10 @@ static pi0_status gemma_dims_from_shapes(const st_file *f, const char *prefix, c
     *kv_rows = SHAPE("self_attn.k_proj.weight", 0);
     d->mlp_dim = (int)SHAPE("mlp.gate_proj.weight", 0);
 #undef SHAPE
-    if (*kv_rows < 0 || d->mlp_dim < 0)
-        return pi0_fail(err, PI0_ERR_CHECKPOINT, "%s layer 0 lacks k_proj or gate_proj", what);
+    if (d->width <= 0 || *q_rows <= 0 || *kv_rows <= 0 || d->mlp_dim <= 0)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT,
+                        "missing or empty %s tensor among %s%slayers.0.{self_attn.q_proj,self_attn.k_proj,mlp.gate_proj}.weight",
+                        what, prefix, root);
     return PI0_OK;
 }
 
@@ -127,7 +136,7 @@ static pi0_status vision_dims(const st_file *f, const char *prefix, pi0_dims *di
         return pi0_fail(err, PI0_ERR_CHECKPOINT, "position_embedding has %lld rows, not a square grid of patches",
                         (long long)positions);
     dims->image_size = (int)grid * dims->patch_size;
-    v->depth = count_layers(f, prefix, VISION "encoder.", "layer_norm1.weight");
+    v->depth = count_layers(f, prefix, VISION "encoder.");
     v->mlp_dim = (int)dim_of(f, prefix, VISION "encoder.layers.0.mlp.fc1.weight", 0);
     if (v->depth == 0 || v->mlp_dim <= 0)
         return pi0_fail(err, PI0_ERR_CHECKPOINT, "no vision encoder layers (missing %s" VISION "encoder.layers.0.*)",

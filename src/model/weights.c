@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "util/error.h"
 #include "util/rng.h"
@@ -141,9 +142,11 @@ int weights_specs(const pi0_dims *dims, pi0_weights *w, weight_spec **specs) {
 pi0_status weights_alloc(pi0_weights *w, const weight_spec *specs, int count, pi0_error *err) {
     uint64_t total = 0;
     for (int i = 0; i < count; i++) total += (specs[i].numel + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
-    if (total > SIZE_MAX / sizeof(float) || !(w->arena = aligned_alloc(64, (size_t)total * sizeof(float))))
+    if (total > SIZE_MAX / sizeof(float) || !(w->arena = aligned_alloc(2 << 20, ((size_t)total * sizeof(float) + (2 << 20) - 1) / (2 << 20) * (2 << 20))))
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate %.2f GB for float32 weights",
                         (double)total * sizeof(float) / 1e9);
+    /* huge pages: faulting in gigabytes of weights 4 KB at a time costs seconds */
+    madvise(w->arena, (size_t)total * sizeof(float), MADV_HUGEPAGE);
     uint64_t offset = 0;
     for (int i = 0; i < count; i++) {
         *specs[i].slot = w->arena + offset;

@@ -20,10 +20,10 @@ static inline uint64_t rng_hash_str(const char *s) {
     return h;
 }
 
-/* Uniform in [-1, 1) from element `i` of stream `stream`. */
+/* Uniform in [-1, 1) from element `i` of stream `stream`: splitmix64's i-th output, one mix per draw. */
 static inline float rng_uniform_pm1(uint64_t stream, uint64_t i) {
-    uint64_t bits = rng_mix64(stream ^ rng_mix64(i));
-    return (float)((double)(bits >> 40) * (1.0 / 8388608.0) - 1.0);
+    uint64_t bits = rng_mix64(stream + i * 0x9e3779b97f4a7c15ull);
+    return (float)(int32_t)(bits >> 32) * (1.0f / 2147483648.0f);
 }
 
 /* Standard normal from element `i` of stream `stream` (Box-Muller on two counter draws). */

@@ -1,0 +1,224 @@
+/*
+ * test_cli.c - the `pi0` command as a user runs it: exit codes, --help, `pi0 sample` against every
+ * fixture's actions (per sample, 1e-4), bad inputs, `inspect`, `init` and `bench --json`.
+ * The binary comes from $PI0_BIN (default build/pi0).
+ */
+#include <jansson.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include "check.h"
+#include "io/safetensors.h"
+
+static const char *pi0_bin(void) {
+    const char *bin = getenv("PI0_BIN");
+    return bin ? bin : "build/pi0";
+}
+
+static char tmp_root[256];
+
+static const char *tmp_path(const char *leaf) {
+    static char ring[8][512]; /* several paths may be alive at once */
+    static int next;
+    char *path = ring[next++ % 8];
+    if (!tmp_root[0]) {
+        snprintf(tmp_root, sizeof tmp_root, "/tmp/pi0_test_cli_XXXXXX");
+        if (!mkdtemp(tmp_root)) return NULL;
+    }
+    snprintf(path, sizeof ring[0], "%s/%s", tmp_root, leaf);
+    return path;
+}
+
+/* Runs `pi0 ARGS`, capturing stdout into `out` (may be NULL); returns the exit code. */
+static int run_pi0(char *out, size_t out_size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int run_pi0(char *out, size_t out_size, const char *fmt, ...) {
+    char args[2048], cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(cmd, sizeof cmd, "%s %s 2>%s", pi0_bin(), args, tmp_path("stderr.txt"));
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t n = 0;
+    char sink[4096];
+    for (size_t got; (got = fread(out ? out + n : sink, 1, out ? out_size - 1 - n : sizeof sink, p)) > 0;)
+        if (out) n += got;
+    if (out) out[n] = 0;
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* The last command's stderr. */
+static const char *last_stderr(void) {
+    static char text[8192];
+    FILE *f = fopen(tmp_path("stderr.txt"), "r");
+    size_t n = f ? fread(text, 1, sizeof text - 1, f) : 0;
+    text[n] = 0;
+    if (f) fclose(f);
+    return text;
+}
+
+TEST(help_and_exit_codes) {
+    char out[8192];
+    CHECK(run_pi0(out, sizeof out, "--help") == 0 && strstr(out, "usage: pi0"), "pi0 --help");
+    CHECK(run_pi0(NULL, 0, "%s", "") == 2, "no command must exit 2");
+    CHECK(run_pi0(NULL, 0, "frobnicate") == 2 && strstr(last_stderr(), "unknown command"));
+    const char *commands[] = {"sample", "bench", "inspect", "init"};
+    for (int i = 0; i < 4; i++) {
+        CHECK(run_pi0(out, sizeof out, "%s --help", commands[i]) == 0 && strstr(out, "usage: pi0"), "pi0 %s --help",
+              commands[i]);
+        CHECK(run_pi0(NULL, 0, "%s --no-such-flag", commands[i]) == 2, "pi0 %s with a bad flag must exit 2", commands[i]);
+    }
+    CHECK(run_pi0(NULL, 0, "sample --checkpoint x") == 2 && strstr(last_stderr(), "required"));
+    CHECK(run_pi0(NULL, 0, "bench --steps 0") == 2 && strstr(last_stderr(), "--steps"));
+    CHECK(run_pi0(NULL, 0, "bench --backend tpu") == 2 && strstr(last_stderr(), "unknown backend"));
+}
+
+/* ||a_b - r_b|| / ||r_b|| for every sample b; returns the worst. */
+static double worst_sample_error(const float *a, const float *r, int batch, size_t per_sample) {
+    double worst = 0;
+    for (int b = 0; b < batch; b++) {
+        double e = rel_error(a + b * per_sample, r + b * per_sample, per_sample);
+        worst = e > worst ? e : worst;
+    }
+    return worst;
+}
+
+static void sample_matches_fixture(const char *name) {
+    const char *steps_keys[3][2] = {{"10", "actions"}, {"3", "actions_3step"}, {"1", "actions_1step"}};
+    for (int i = 0; i < 3; i++) {
+        const char *out_path = tmp_path("actions.safetensors");
+        int rc = run_pi0(NULL, 0, "sample --checkpoint %s/%s --inputs %s/%s/io.safetensors --output %s --steps %s --quiet",
+                         fixtures_dir(), name, fixtures_dir(), name, out_path, steps_keys[i][0]);
+        REQUIRE(rc == 0, "pi0 sample exited %d: %s", rc, last_stderr());
+        char io_path[1024];
+        snprintf(io_path, sizeof io_path, "%s/%s/io.safetensors", fixtures_dir(), name);
+        st_file out, io;
+        pi0_error err = {0};
+        REQUIRE(st_open(out_path, &out, &err) == PI0_OK, "%s", err.message);
+        REQUIRE(st_open(io_path, &io, &err) == PI0_OK, "%s", err.message);
+        const st_tensor *a = st_find(&out, "actions"), *r = st_find(&io, steps_keys[i][1]);
+        REQUIRE(a && r && a->numel == r->numel && a->rank == 3, "actions missing or mis-shaped");
+        double e = worst_sample_error(a->data, r->data, (int)r->shape[0], (size_t)(r->shape[1] * r->shape[2]));
+        fprintf(stderr, "  %s %s: worst per-sample rel error %.3g\n", name, steps_keys[i][1], e);
+        CHECK(e <= 1e-4, "%s %s: %.3g", name, steps_keys[i][1], e);
+        st_close(&out);
+        st_close(&io);
+    }
+}
+
+TEST(sample_pi0_tiny) { sample_matches_fixture("pi0_tiny"); }
+TEST(sample_pi0_tiny_h50) { sample_matches_fixture("pi0_tiny_h50"); }
+
+/* Writes an inputs file from the fixture's io with one tensor replaced (or dropped when data == NULL). */
+static void write_inputs_with(const char *path, const char *replace, st_dtype dtype, int rank, const int64_t *shape,
+                              const void *data) {
+    char io_path[1024];
+    snprintf(io_path, sizeof io_path, "%s/pi0_tiny/io.safetensors", fixtures_dir());
+    st_file io;
+    pi0_error err = {0};
+    if (st_open(io_path, &io, &err)) return;
+    st_writer w;
+    st_writer_init(&w);
+    for (int i = 0; i < io.num_tensors; i++) {
+        const st_tensor *t = &io.tensors[i];
+        if (strcmp(t->name, replace)) st_writer_add(&w, t->name, t->dtype, t->rank, t->shape, t->data, &err);
+        else if (data) st_writer_add(&w, t->name, dtype, rank, shape, data, &err);
+    }
+    st_writer_write(&w, path, &err);
+    st_writer_free(&w);
+    st_close(&io);
+}
+
+TEST(sample_bad_inputs) {
+    const char *in = tmp_path("bad_inputs.safetensors"), *out = tmp_path("bad_out.safetensors");
+    char ckpt[1024];
+    snprintf(ckpt, sizeof ckpt, "%s/pi0_tiny", fixtures_dir());
+    static float small_image[2 * 100 * 100 * 3];
+    write_inputs_with(in, "image/base_0_rgb", ST_F32, 4, (int64_t[]){2, 100, 100, 3}, small_image);
+    CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
+              strstr(last_stderr(), "image/base_0_rgb") && strstr(last_stderr(), "[2, 100, 100, 3]"),
+          "%s", last_stderr());
+    int32_t ids[2 * 16];
+    for (int i = 0; i < 32; i++) ids[i] = 100000; /* beyond the 512-token vocabulary */
+    write_inputs_with(in, "tokenized_prompt", ST_I32, 2, (int64_t[]){2, 16}, ids);
+    CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
+              strstr(last_stderr(), "100000") && strstr(last_stderr(), "vocabulary"),
+          "%s", last_stderr());
+    write_inputs_with(in, "state", ST_F32, 0, NULL, NULL);
+    CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
+              strstr(last_stderr(), "state"), "%s", last_stderr());
+    FILE *f = fopen(in, "w");
+    fputs("this is not a safetensors file", f);
+    fclose(f);
+    CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
+              strstr(last_stderr(), "error:"), "%s", last_stderr());
+    CHECK(run_pi0(NULL, 0, "sample --checkpoint /nonexistent --inputs %s --output %s --quiet", in, out) == 1 &&
+              strstr(last_stderr(), "/nonexistent"), "%s", last_stderr());
+}
+
+static json_t *run_json(const char *fmt, const char *arg1, const char *arg2) {
+    static char out[1 << 16];
+    int rc = run_pi0(out, sizeof out, fmt, arg1, arg2);
+    if (rc != 0) {
+        fprintf(stderr, "  exit %d: %s\n", rc, last_stderr());
+        return NULL;
+    }
+    json_error_t jerr;
+    return json_loads(out, 0, &jerr);
+}
+
+TEST(inspect_fixture) {
+    char ckpt[1024];
+    snprintf(ckpt, sizeof ckpt, "%s/pi0_tiny", fixtures_dir());
+    json_t *o = run_json("inspect --checkpoint %s --json%s", ckpt, "");
+    REQUIRE(o, "inspect --json gave no JSON");
+    CHECK(json_is_true(json_object_get(o, "loadable")));
+    json_t *dims = json_object_get(o, "dims");
+    CHECK(json_integer_value(json_object_get(json_object_get(dims, "llm"), "width")) == 64);
+    CHECK(json_integer_value(json_object_get(json_object_get(dims, "expert"), "width")) == 48);
+    CHECK(json_integer_value(json_object_get(json_object_get(dims, "vision"), "num_heads")) == 4);
+    CHECK(json_integer_value(json_object_get(dims, "action_horizon")) == 10);
+    CHECK(json_array_size(json_object_get(o, "missing")) == 0);
+    json_t *params = json_object_get(o, "params");
+    CHECK(json_integer_value(json_object_get(params, "total")) > 0);
+    json_decref(o);
+    char out[1 << 14];
+    CHECK(run_pi0(out, sizeof out, "inspect --checkpoint %s", ckpt) == 0 && strstr(out, "parameters:"));
+}
+
+TEST(init_then_bench_json) {
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/pi0_tiny/config.json", fixtures_dir());
+    const char *dir = tmp_path("init_ckpt");
+    CHECK(run_pi0(NULL, 0, "init --dims %s --output %s --seed 3 --bf16", cfg, dir) == 0, "%s", last_stderr());
+    json_t *o = run_json("inspect --checkpoint %s --json%s", dir, "");
+    REQUIRE(o);
+    CHECK(json_object_get(json_object_get(o, "dtypes"), "BF16") != NULL, "init --bf16 did not store BF16");
+    json_decref(o);
+    o = run_json("bench --checkpoint %s --warmup 1 --iters 3 --batch 2 --json%s", dir, "");
+    REQUIRE(o, "bench --json gave no JSON");
+    json_t *lat = json_object_get(o, "latency_ms");
+    double p50 = json_real_value(json_object_get(lat, "p50")), min = json_real_value(json_object_get(lat, "min"));
+    double max = json_real_value(json_object_get(lat, "max"));
+    CHECK(min > 0 && min <= p50 && p50 <= max, "latencies min %g p50 %g max %g", min, p50, max);
+    CHECK(json_integer_value(json_object_get(o, "batch")) == 2);
+    CHECK(json_real_value(json_object_get(o, "samples_per_s")) > 0);
+    CHECK(json_object_get(json_object_get(o, "stages_ms"), "denoise") != NULL);
+    json_decref(o);
+    o = run_json("bench --dims %s --iters 2 --warmup 0 --masked-cameras 0 --json%s", cfg, "");
+    CHECK(o != NULL, "bench on random weights of given dims");
+    json_decref(o);
+}
+
+int main(int argc, char **argv) {
+    check_init(argc, argv);
+    RUN(help_and_exit_codes);
+    RUN(sample_pi0_tiny);
+    RUN(sample_pi0_tiny_h50);
+    RUN(sample_bad_inputs);
+    RUN(inspect_fixture);
+    RUN(init_then_bench_json);
+    return check_finish();
+}

@@ -1,0 +1,554 @@
+/*
+ * test_model.c - the CPU backend against openpi's golden fixtures, and the model-level API:
+ * actions at 1, 3 and 10 steps, vision tokens, K/V cache rows, bf16 checkpoints, checkpoint mapping
+ * errors, ragged batches and the full-size random model.
+ */
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "cpu/cpu.h"
+#include "io/safetensors.h"
+#include "model/checkpoint.h"
+#include "model/model.h"
+#include "pi0.h"
+
+#define TOL_F32 1e-4
+
+static const char *cameras[3] = {"base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"};
+
+/* A fixture case: its model, its io.safetensors and the batch built from it. */
+typedef struct {
+    pi0_model *model;
+    st_file io;
+    float *images[3], *state, *noise;
+    uint8_t masks[64 * 3], *prompt_mask;
+    int32_t *prompt_ids;
+    const float *image_ptrs[3];
+    pi0_batch batch;
+} fixture;
+
+static float *f32_copy(const st_tensor *t) {
+    float *out = malloc(t->numel * sizeof(float));
+    st_to_f32(t, out);
+    return out;
+}
+
+static void fixture_close(fixture *f) {
+    for (int c = 0; c < 3; c++) free(f->images[c]);
+    free(f->state), free(f->noise), free(f->prompt_ids), free(f->prompt_mask);
+    st_close(&f->io);
+    pi0_model_free(f->model);
+    memset(f, 0, sizeof *f);
+}
+
+/* Loads fixtures/<name> (model from `model_dir` when given) and builds the batch of its io file. */
+static int fixture_open(fixture *f, const char *name, const char *model_dir) {
+    char path[1024];
+    pi0_error err = {0};
+    memset(f, 0, sizeof *f);
+    snprintf(path, sizeof path, "%s/%s", fixtures_dir(), name);
+    pi0_options opts = {.backend = PI0_BACKEND_CPU};
+    if (pi0_model_load(model_dir ? model_dir : path, &opts, &f->model, &err)) {
+        fprintf(stderr, "  load %s: %s\n", path, err.message);
+        return -1;
+    }
+    snprintf(path, sizeof path, "%s/%s/io.safetensors", fixtures_dir(), name);
+    if (st_open(path, &f->io, &err)) {
+        fprintf(stderr, "  %s\n", err.message);
+        return -1;
+    }
+    const st_tensor *state = st_find(&f->io, "state"), *ids = st_find(&f->io, "tokenized_prompt");
+    const st_tensor *ids_mask = st_find(&f->io, "tokenized_prompt_mask"), *noise = st_find(&f->io, "noise");
+    int B = (int)state->shape[0];
+    for (int c = 0; c < 3; c++) {
+        char key[64];
+        snprintf(key, sizeof key, "image/%s", cameras[c]);
+        f->image_ptrs[c] = f->images[c] = f32_copy(st_find(&f->io, key));
+        snprintf(key, sizeof key, "image_mask/%s", cameras[c]);
+        const uint8_t *mask = st_find(&f->io, key)->data;
+        for (int b = 0; b < B; b++) f->masks[b * 3 + c] = mask[b];
+    }
+    f->state = f32_copy(state);
+    f->noise = f32_copy(noise);
+    f->prompt_ids = malloc(ids->nbytes);
+    memcpy(f->prompt_ids, ids->data, ids->nbytes);
+    f->prompt_mask = malloc(ids_mask->nbytes);
+    memcpy(f->prompt_mask, ids_mask->data, ids_mask->nbytes);
+    f->batch = (pi0_batch){.batch = B, .num_cameras = 3, .images = f->image_ptrs, .image_masks = f->masks,
+                           .prompt_len = (int)ids->shape[1], .prompt_ids = f->prompt_ids, .prompt_mask = f->prompt_mask,
+                           .state = f->state, .horizon = (int)noise->shape[1], .noise = f->noise};
+    return 0;
+}
+
+static size_t actions_len(const fixture *f) {
+    return (size_t)f->batch.batch * f->batch.horizon * pi0_model_dims(f->model)->action_dim;
+}
+
+/* Runs the fixture at `steps` and returns the relative error against io[key]. */
+static double actions_error(fixture *f, int steps, const char *key) {
+    size_t n = actions_len(f);
+    float *actions = malloc(n * sizeof(float));
+    pi0_error err = {0};
+    f->batch.num_steps = steps;
+    double e = INFINITY;
+    if (pi0_sample_actions(f->model, &f->batch, actions, NULL, &err) == PI0_OK) {
+        float *ref = f32_copy(st_find(&f->io, key));
+        e = rel_error(actions, ref, n);
+        free(ref);
+    } else {
+        fprintf(stderr, "  sample_actions: %s\n", err.message);
+    }
+    free(actions);
+    return e;
+}
+
+static void check_fixture_actions(const char *name) {
+    fixture f;
+    REQUIRE(fixture_open(&f, name, NULL) == 0);
+    const struct { int steps; const char *key; } cases[] = {{10, "actions"}, {3, "actions_3step"}, {1, "actions_1step"}};
+    for (int i = 0; i < 3; i++) {
+        double e = actions_error(&f, cases[i].steps, cases[i].key);
+        fprintf(stderr, "  %s %s: rel error %.3g\n", name, cases[i].key, e);
+        CHECK(e <= TOL_F32, "%s %s: rel error %.3g > %g", name, cases[i].key, e, TOL_F32);
+    }
+    fixture_close(&f);
+}
+
+TEST(fixture_pi0_tiny_actions) { check_fixture_actions("pi0_tiny"); }
+TEST(fixture_pi0_tiny_h50_actions) { check_fixture_actions("pi0_tiny_h50"); }
+
+/* Vision tokens of valid cameras and K/V cache rows of valid prefix tokens against the fixture. */
+static void check_fixture_intermediates(const char *name) {
+    fixture f;
+    REQUIRE(fixture_open(&f, name, NULL) == 0);
+    const pi0_dims *d = pi0_model_dims(f.model);
+    pi0_plan plan;
+    pi0_error err = {0};
+    f.batch.num_steps = 1;
+    REQUIRE(plan_build(d, &f.batch, &plan, &err) == PI0_OK, "%s", err.message);
+    int P = (d->image_size / d->patch_size) * (d->image_size / d->patch_size), D = d->llm.width, L = d->llm.depth;
+    int kv = d->llm.num_kv_heads * d->llm.head_dim;
+    float *vision = malloc((size_t)plan.num_images * P * D * sizeof(float));
+    float *kbuf[16], *vbuf[16];
+    for (int l = 0; l < L; l++) {
+        kbuf[l] = malloc((size_t)plan.cache_rows * kv * sizeof(float));
+        vbuf[l] = malloc((size_t)plan.cache_rows * kv * sizeof(float));
+    }
+    cpu_trace trace = {vision, kbuf, vbuf};
+    float *actions = malloc(actions_len(&f) * sizeof(float));
+    REQUIRE(cpu_sample_traced(f.model, &plan, actions, NULL, &trace, &err) == PI0_OK, "%s", err.message);
+
+    /* vision tokens: plan order is sample-major, camera order, valid cameras only */
+    int image = 0;
+    for (int b = 0; b < f.batch.batch; b++)
+        for (int c = 0; c < 3; c++) {
+            if (!f.masks[b * 3 + c]) continue;
+            char key[64];
+            snprintf(key, sizeof key, "vision_tokens/%s", cameras[c]);
+            float *ref = f32_copy(st_find(&f.io, key));
+            double e = rel_error(vision + (size_t)image++ * P * D, ref + (size_t)b * P * D, (size_t)P * D);
+            CHECK(e <= TOL_F32, "vision tokens sample %d camera %s: %.3g", b, cameras[c], e);
+            free(ref);
+        }
+
+    /* K/V rows: the fixture is padded (L, B, Ppad, 1, hd); valid rows in order are our cache rows */
+    const st_tensor *kt = st_find(&f.io, "kv_k"), *vt = st_find(&f.io, "kv_v"), *mt = st_find(&f.io, "prefix_mask");
+    float *kref = f32_copy(kt), *vref = f32_copy(vt);
+    const uint8_t *prefix_mask = mt->data;
+    int Ppad = (int)kt->shape[2], B = f.batch.batch;
+    for (int l = 0; l < L; l++) {
+        size_t valid = 0;
+        float *kmine = malloc((size_t)plan.total_prefix * kv * sizeof(float)), *kgold = malloc((size_t)plan.total_prefix * kv * sizeof(float));
+        float *vmine = malloc((size_t)plan.total_prefix * kv * sizeof(float)), *vgold = malloc((size_t)plan.total_prefix * kv * sizeof(float));
+        for (int b = 0; b < B; b++) {
+            int row = 0;
+            for (int p = 0; p < Ppad; p++) {
+                if (!prefix_mask[(size_t)b * Ppad + p]) continue;
+                size_t gold = (((size_t)l * B + b) * Ppad + p) * kv, mine = (size_t)(plan.cache_start[b] + row++) * kv;
+                memcpy(kgold + valid * kv, kref + gold, kv * sizeof(float));
+                memcpy(vgold + valid * kv, vref + gold, kv * sizeof(float));
+                memcpy(kmine + valid * kv, kbuf[l] + mine, kv * sizeof(float));
+                memcpy(vmine + valid * kv, vbuf[l] + mine, kv * sizeof(float));
+                valid++;
+            }
+            CHECK(row == plan.prefix_len[b], "sample %d: %d valid prefix tokens in the fixture, %d planned", b, row,
+                  plan.prefix_len[b]);
+        }
+        double ek = rel_error(kmine, kgold, valid * kv), ev = rel_error(vmine, vgold, valid * kv);
+        CHECK(ek <= TOL_F32 && ev <= TOL_F32, "layer %d: K error %.3g, V error %.3g", l, ek, ev);
+        free(kmine), free(kgold), free(vmine), free(vgold);
+    }
+    free(kref), free(vref), free(actions), free(vision);
+    for (int l = 0; l < L; l++) free(kbuf[l]), free(vbuf[l]);
+    plan_free(&plan);
+    fixture_close(&f);
+}
+
+TEST(fixture_pi0_tiny_intermediates) { check_fixture_intermediates("pi0_tiny"); }
+TEST(fixture_pi0_tiny_h50_intermediates) { check_fixture_intermediates("pi0_tiny_h50"); }
+
+static char tmp_root[256];
+
+static const char *tmp_path(const char *leaf) {
+    static char ring[8][512]; /* several paths may be alive at once */
+    static int next;
+    char *path = ring[next++ % 8];
+    if (!tmp_root[0]) {
+        snprintf(tmp_root, sizeof tmp_root, "/tmp/pi0_test_model_XXXXXX");
+        if (!mkdtemp(tmp_root)) return NULL;
+    }
+    snprintf(path, sizeof ring[0], "%s/%s", tmp_root, leaf);
+    return path;
+}
+
+static uint32_t bits_of(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    return b;
+}
+
+/* Re-stored as BF16, the fixture model must give exactly the F32 run on weights rounded to bf16. */
+TEST(bf16_checkpoint_equals_rounded_f32) {
+    fixture f32, bf16;
+    REQUIRE(fixture_open(&f32, "pi0_tiny", NULL) == 0);
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s", tmp_path("bf16"));
+    pi0_error err = {0};
+    REQUIRE(pi0_model_save(f32.model, dir, 1, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(fixture_open(&bf16, "pi0_tiny", dir) == 0);
+    /* round the F32 model's weights to bf16 in place (nearest even), as the file stores them */
+    pi0_model *m = f32.model;
+    int rounded_changed = 0;
+    for (int i = 0; i < m->num_specs; i++) {
+        float *x = *m->specs[i].slot;
+        for (uint64_t j = 0; j < m->specs[i].numel; j++) {
+            uint32_t b = bits_of(x[j]);
+            b = (b + 0x7fff + ((b >> 16) & 1)) & 0xffff0000u;
+            float r;
+            memcpy(&r, &b, 4);
+            rounded_changed |= r != x[j];
+            x[j] = r;
+            CHECK(bits_of(x[j]) == bits_of((*bf16.model->specs[i].slot)[j]), "%s[%llu] differs from the bf16 file",
+                  m->specs[i].name, (unsigned long long)j);
+            if (check_test_failed) break;
+        }
+    }
+    CHECK(rounded_changed, "rounding to bf16 changed nothing: the test would prove nothing");
+    size_t n = actions_len(&f32);
+    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+    REQUIRE(pi0_sample_actions(f32.model, &f32.batch, a, NULL, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_sample_actions(bf16.model, &bf16.batch, b, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(memcmp(a, b, n * sizeof(float)) == 0, "bf16 checkpoint actions differ from rounded f32 (rel %.3g)", rel_error(b, a, n));
+    /* and bf16 weights stay within the bf16 tolerance of the golden fp32 actions */
+    float *ref = f32_copy(st_find(&f32.io, "actions"));
+    double e = rel_error(b, ref, n);
+    CHECK(e <= 1e-2, "bf16 weights vs fp32 golden: %.3g", e);
+    free(ref), free(a), free(b);
+    fixture_close(&f32);
+    fixture_close(&bf16);
+}
+
+/* Copies the fixture checkpoint with one tensor renamed, reshaped, retyped or dropped. */
+typedef enum { EDIT_DROP, EDIT_RESHAPE, EDIT_RETYPE, EDIT_PREFIX, EDIT_EXTRA } edit_kind;
+
+static int write_edited(const char *dir, edit_kind kind, const char *target) {
+    char path[1024];
+    pi0_error err = {0};
+    st_file src;
+    snprintf(path, sizeof path, "%s/pi0_tiny/model.safetensors", fixtures_dir());
+    if (st_open(path, &src, &err)) return -1;
+    mkdir(dir, 0755);
+    st_writer w;
+    st_writer_init(&w);
+    char names[200][256];
+    int32_t ints[64] = {0};
+    for (int i = 0; i < src.num_tensors && i < 200; i++) {
+        const st_tensor *t = &src.tensors[i];
+        int64_t shape[ST_MAX_RANK];
+        memcpy(shape, t->shape, sizeof shape);
+        snprintf(names[i], sizeof names[i], "%s%s", kind == EDIT_PREFIX ? "model." : "", t->name);
+        int is_target = target && !strcmp(t->name, target);
+        if (is_target && kind == EDIT_DROP) continue;
+        if (is_target && kind == EDIT_RESHAPE) {
+            /* same bytes, other shape: swap the first two dims (or split a vector) */
+            if (t->rank >= 2) shape[0] = t->shape[1], shape[1] = t->shape[0];
+        }
+        if (is_target && kind == EDIT_RETYPE) {
+            st_writer_add(&w, names[i], ST_I32, 1, (int64_t[]){16}, ints, &err);
+            continue;
+        }
+        st_writer_add(&w, names[i], t->dtype, t->rank, shape, t->data, &err);
+    }
+    if (kind == EDIT_EXTRA) {
+        st_writer_add(&w, "paligemma_with_expert.paligemma.lm_head.weight", ST_I32, 1, (int64_t[]){16}, ints, &err);
+        st_writer_add(&w, "something_else.weight", ST_I32, 1, (int64_t[]){16}, ints, &err);
+    }
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    int rc = st_writer_write(&w, path, &err) ? -1 : 0;
+    st_writer_free(&w);
+    st_close(&src);
+    /* config.json: copy the fixture's */
+    char cfg_src[1024], cfg_dst[1024], buf[4096];
+    snprintf(cfg_src, sizeof cfg_src, "%s/pi0_tiny/config.json", fixtures_dir());
+    snprintf(cfg_dst, sizeof cfg_dst, "%s/config.json", dir);
+    FILE *in = fopen(cfg_src, "rb"), *out = fopen(cfg_dst, "wb");
+    size_t n = in ? fread(buf, 1, sizeof buf, in) : 0;
+    if (out) fwrite(buf, 1, n, out);
+    if (in) fclose(in);
+    if (out) fclose(out);
+    return rc;
+}
+
+static pi0_status load_dir(const char *dir, pi0_error *err) {
+    pi0_model *m = NULL;
+    pi0_options opts = {.backend = PI0_BACKEND_CPU};
+    pi0_status st = pi0_model_load(dir, &opts, &m, err);
+    pi0_model_free(m);
+    return st;
+}
+
+#define Q_PROJ "paligemma_with_expert.gemma_expert.model.layers.1.self_attn.q_proj.weight"
+
+TEST(checkpoint_missing_tensor_is_named) {
+    const char *dir = tmp_path("missing");
+    REQUIRE(write_edited(dir, EDIT_DROP, Q_PROJ) == 0);
+    pi0_error err = {0};
+    CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT);
+    CHECK(strstr(err.message, "missing tensor") && strstr(err.message, Q_PROJ) && strstr(err.message, "[128, 48]"), "%s",
+          err.message);
+}
+
+TEST(checkpoint_misshaped_tensor_names_both_shapes) {
+    const char *dir = tmp_path("misshaped");
+    REQUIRE(write_edited(dir, EDIT_RESHAPE, "action_out_proj.weight") == 0);
+    pi0_error err = {0};
+    CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT);
+    CHECK(strstr(err.message, "action_out_proj.weight") && strstr(err.message, "[48, 32]") && strstr(err.message, "[32, 48]"),
+          "%s", err.message);
+}
+
+TEST(checkpoint_wrong_dtype_is_named) {
+    const char *dir = tmp_path("retyped");
+    REQUIRE(write_edited(dir, EDIT_RETYPE, "state_proj.bias") == 0);
+    pi0_error err = {0};
+    CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT);
+    CHECK(strstr(err.message, "state_proj.bias"), "%s", err.message);
+}
+
+/* LeRobot-style "model." prefix loads, extra lm_head and unknown tensors are ignored, same actions. */
+TEST(checkpoint_prefix_and_extra_tensors) {
+    const char *dir = tmp_path("prefixed");
+    REQUIRE(write_edited(dir, EDIT_PREFIX, NULL) == 0);
+    fixture f;
+    REQUIRE(fixture_open(&f, "pi0_tiny", dir) == 0);
+    double e = actions_error(&f, 10, "actions");
+    CHECK(e <= TOL_F32, "prefixed checkpoint: %.3g", e);
+    fixture_close(&f);
+    dir = tmp_path("extra");
+    REQUIRE(write_edited(dir, EDIT_EXTRA, NULL) == 0);
+    pi0_error err = {0};
+    CHECK(load_dir(dir, &err) == PI0_OK, "%s", err.message);
+}
+
+TEST(checkpoint_not_a_pi0_file) {
+    pi0_error err = {0};
+    CHECK(load_dir("/nonexistent/dir", &err) == PI0_ERR_IO, "%s", err.message);
+    const char *dir = tmp_path("notpi0");
+    mkdir(dir, 0755);
+    char path[600];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    st_writer w;
+    st_writer_init(&w);
+    float x[4] = {1, 2, 3, 4};
+    st_writer_add(&w, "some.weight", ST_F32, 1, (int64_t[]){4}, x, &err);
+    REQUIRE(st_writer_write(&w, path, &err) == PI0_OK);
+    st_writer_free(&w);
+    CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT && strstr(err.message, "not a Pi0 checkpoint"), "%s", err.message);
+}
+
+TEST(checkpoint_bad_config_json) {
+    const char *dir = tmp_path("badconfig");
+    REQUIRE(write_edited(dir, EDIT_EXTRA, NULL) == 0);
+    char path[600];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *fp = fopen(path, "w");
+    fputs("{\"action_dim\": 32, \"dims\": {\"vision\": {\"num_heads\": \"four\"}}}", fp);
+    fclose(fp);
+    pi0_error err = {0};
+    CHECK(load_dir(dir, &err) == PI0_ERR_FORMAT && strstr(err.message, "num_heads"), "%s", err.message);
+    fp = fopen(path, "w");
+    fputs("{\"action_dim\": 32,", fp);
+    fclose(fp);
+    CHECK(load_dir(dir, &err) == PI0_ERR_FORMAT && strstr(err.message, "config.json"), "%s", err.message);
+    fp = fopen(path, "w");
+    fputs("{\"action_dim\": 16}", fp);
+    fclose(fp);
+    CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT && strstr(err.message, "action_dim"), "%s", err.message);
+}
+
+/* Each sample of a ragged batch gets the actions it gets alone: masking is per sample. */
+TEST(ragged_batch_equals_single_samples) {
+    fixture f;
+    REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
+    size_t n = actions_len(&f), per = n / 2;
+    float *together = malloc(n * sizeof(float)), *alone = malloc(per * sizeof(float));
+    pi0_error err = {0};
+    f.batch.num_steps = 3;
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, together, NULL, &err) == PI0_OK, "%s", err.message);
+    for (int b = 0; b < 2; b++) {
+        const float *images[3];
+        for (int c = 0; c < 3; c++) images[c] = f.images[c] + (size_t)b * 224 * 224 * 3;
+        pi0_batch one = f.batch;
+        one.batch = 1;
+        one.images = images;
+        one.image_masks = f.masks + b * 3;
+        one.prompt_ids = f.prompt_ids + b * f.batch.prompt_len;
+        one.prompt_mask = f.prompt_mask + b * f.batch.prompt_len;
+        one.state = f.state + b * 32;
+        one.noise = f.noise + (size_t)b * per;
+        REQUIRE(pi0_sample_actions(f.model, &one, alone, NULL, &err) == PI0_OK, "%s", err.message);
+        double e = rel_error(together + b * per, alone, per);
+        CHECK(e < 1e-5, "sample %d alone differs from in-batch: %.3g", b, e);
+    }
+    free(together), free(alone);
+    fixture_close(&f);
+}
+
+/* Masked cameras and padded tokens are skipped: garbage in them must not change the actions. */
+TEST(invalid_tokens_do_not_matter) {
+    fixture f;
+    REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
+    size_t n = actions_len(&f);
+    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+    pi0_error err = {0};
+    f.batch.num_steps = 2;
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, a, NULL, &err) == PI0_OK);
+    for (size_t i = 0; i < (size_t)224 * 224 * 3; i++) f.images[2][i] = 1e30f; /* sample 0's masked camera */
+    for (int i = 0; i < f.batch.prompt_len; i++)
+        if (!f.prompt_mask[i]) f.prompt_ids[i] = -12345; /* sample 0's padding, even out of range */
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, b, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(memcmp(a, b, n * sizeof(float)) == 0, "masked inputs changed the actions");
+    free(a), free(b);
+    fixture_close(&f);
+}
+
+TEST(bad_batches_are_rejected) {
+    fixture f;
+    REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
+    float *out = malloc(actions_len(&f) * sizeof(float));
+    pi0_error err = {0};
+    pi0_batch b = f.batch;
+    b.batch = 0;
+    CHECK(pi0_sample_actions(f.model, &b, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT && strstr(err.message, "batch"));
+    b = f.batch;
+    f.prompt_ids[3] = 512; /* vocab is 512: one past the end, and valid */
+    CHECK(pi0_sample_actions(f.model, &b, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT && strstr(err.message, "512"),
+          "%s", err.message);
+    f.prompt_ids[3] = 7;
+    b.state = NULL;
+    CHECK(pi0_sample_actions(f.model, &b, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT);
+    b = f.batch;
+    const float *no_images[3] = {NULL, NULL, NULL};
+    b.images = no_images;
+    CHECK(pi0_sample_actions(f.model, &b, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT && strstr(err.message, "NULL"));
+    b = f.batch;
+    b.num_steps = -1;
+    CHECK(pi0_sample_actions(f.model, &b, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT);
+    CHECK(pi0_sample_actions(f.model, NULL, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT);
+    free(out);
+    fixture_close(&f);
+}
+
+/* Random weights: deterministic per seed, different across seeds, and a saved model reloads equal. */
+TEST(random_weights_deterministic_and_saveable) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/pi0_tiny/config.json", fixtures_dir());
+    pi0_model *a = NULL, *b = NULL, *c = NULL, *reloaded = NULL;
+    pi0_error err = {0};
+    pi0_options opts = {.backend = PI0_BACKEND_CPU};
+    pi0_model *fixture_model = NULL;
+    snprintf(path, sizeof path, "%s/pi0_tiny", fixtures_dir());
+    REQUIRE(pi0_model_load(path, &opts, &fixture_model, &err) == PI0_OK);
+    pi0_dims dims = *pi0_model_dims(fixture_model);
+    pi0_model_free(fixture_model);
+    REQUIRE(pi0_model_random(&dims, 7, &opts, &a, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_model_random(&dims, 7, &opts, &b, &err) == PI0_OK);
+    REQUIRE(pi0_model_random(&dims, 8, &opts, &c, &err) == PI0_OK);
+    size_t bytes = 0;
+    for (int i = 0; i < a->num_specs; i++) bytes += a->specs[i].numel * sizeof(float);
+    int same_ab = 1, same_ac = 1;
+    for (int i = 0; i < a->num_specs; i++) {
+        same_ab &= !memcmp(*a->specs[i].slot, *b->specs[i].slot, a->specs[i].numel * sizeof(float));
+        same_ac &= !memcmp(*a->specs[i].slot, *c->specs[i].slot, a->specs[i].numel * sizeof(float));
+    }
+    CHECK(same_ab, "same seed gave different weights");
+    CHECK(!same_ac, "different seeds gave the same weights");
+    const char *dir = tmp_path("random_saved");
+    REQUIRE(pi0_model_save(a, dir, 0, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_model_load(dir, &opts, &reloaded, &err) == PI0_OK, "%s", err.message);
+    CHECK(!memcmp(pi0_model_dims(reloaded), &dims, sizeof dims), "dims changed through save/load");
+    for (int i = 0; i < a->num_specs; i++)
+        CHECK(!memcmp(*a->specs[i].slot, *reloaded->specs[i].slot, a->specs[i].numel * sizeof(float)), "%s differs",
+              a->specs[i].name);
+    CHECK(bytes > 0);
+    pi0_model_free(a), pi0_model_free(b), pi0_model_free(c), pi0_model_free(reloaded);
+}
+
+/* The real size: random weights, one inference with the seed workload's shape, finite actions. */
+TEST(full_size_random_inference) {
+    if (getenv("PI0_SKIP_FULL_SIZE")) {
+        fprintf(stderr, "  skipped: PI0_SKIP_FULL_SIZE is set\n");
+        return;
+    }
+    pi0_dims dims = pi0_dims_pi0();
+    pi0_model *m = NULL;
+    pi0_error err = {0};
+    pi0_options opts = {.backend = PI0_BACKEND_CPU};
+    REQUIRE(pi0_model_random(&dims, 1, &opts, &m, &err) == PI0_OK, "%s", err.message);
+    CHECK(pi0_model_num_params(m) > 3200000000ull && pi0_model_num_params(m) < 3300000000ull, "%llu parameters",
+          (unsigned long long)pi0_model_num_params(m));
+    size_t image = 224 * 224 * 3;
+    float *img = malloc(image * sizeof(float)), state[32], noise[10 * 32], actions[10 * 32];
+    for (size_t i = 0; i < image; i++) img[i] = (float)((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
+    for (int i = 0; i < 32; i++) state[i] = 0.1f * (float)(i % 7) - 0.3f;
+    for (int i = 0; i < 320; i++) noise[i] = (float)((i * 40503u) % 2001) / 1000.0f - 1.0f;
+    int32_t ids[20];
+    uint8_t mask[20], cams[2] = {1, 0};
+    for (int i = 0; i < 20; i++) ids[i] = (i * 12289) % dims.vocab_size, mask[i] = 1;
+    const float *images[2] = {img, img};
+    pi0_batch b = {.batch = 1, .num_cameras = 2, .images = images, .image_masks = cams, .prompt_len = 20,
+                   .prompt_ids = ids, .prompt_mask = mask, .state = state, .horizon = 10, .noise = noise, .num_steps = 2};
+    pi0_timings t;
+    REQUIRE(pi0_sample_actions(m, &b, actions, &t, &err) == PI0_OK, "%s", err.message);
+    fprintf(stderr, "  full size, 1 camera, 2 steps: %.0f ms (vision %.0f, prefix %.0f, denoise %.0f)\n", t.total_ms,
+            t.vision_ms, t.prefix_ms, t.denoise_ms);
+    int finite = 1, moved = 0;
+    for (int i = 0; i < 320; i++) finite &= isfinite(actions[i]), moved |= actions[i] != noise[i];
+    CHECK(finite, "non-finite actions");
+    CHECK(moved, "actions equal the noise: the model did nothing");
+    free(img);
+    pi0_model_free(m);
+}
+
+int main(int argc, char **argv) {
+    check_init(argc, argv);
+    RUN(fixture_pi0_tiny_actions);
+    RUN(fixture_pi0_tiny_h50_actions);
+    RUN(fixture_pi0_tiny_intermediates);
+    RUN(fixture_pi0_tiny_h50_intermediates);
+    RUN(bf16_checkpoint_equals_rounded_f32);
+    RUN(checkpoint_missing_tensor_is_named);
+    RUN(checkpoint_misshaped_tensor_names_both_shapes);
+    RUN(checkpoint_wrong_dtype_is_named);
+    RUN(checkpoint_prefix_and_extra_tensors);
+    RUN(checkpoint_not_a_pi0_file);
+    RUN(checkpoint_bad_config_json);
+    RUN(ragged_batch_equals_single_samples);
+    RUN(invalid_tokens_do_not_matter);
+    RUN(bad_batches_are_rejected);
+    RUN(random_weights_deterministic_and_saveable);
+    RUN(full_size_random_inference);
+    return check_finish();
+}
