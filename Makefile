@@ -37,8 +37,10 @@ ifneq ($(NVCC),)
 ifneq ($(CUDA_SRC),)
 WITH_CUDA = 1
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
-CFLAGS_ALL += -DPI0_WITH_CUDA -I$(CUDA_HOME)/include
-LDLIBS_ALL += -L$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart
+LIB_SRC += $(wildcard src/cuda/*.c)
+CFLAGS_ALL += -DPI0_WITH_CUDA -isystem $(CUDA_HOME)/include
+LDLIBS_ALL += -L$(CUDA_HOME)/lib64 -lcublasLt -lcudart -lstdc++
+GPU_TEST_BIN = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
 NVCCFLAGS = -O3 -std=c++17 $(CUDA_ARCHS) -Xcompiler -fPIC -Iinclude -Isrc --expt-relaxed-constexpr \
             -Werror all-warnings
 endif
@@ -47,8 +49,9 @@ endif
 LIB_OBJ = $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(WITH_CUDA),$(CUDA_SRC:%.cu=$(BUILD)/%.cu.o))
 CLI_OBJ = $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_BIN = $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+TOOL_BIN = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/*_tool.c))
 
-.PHONY: all run test test-asan test-gpu clean
+.PHONY: all run test test-asan test-gpu deps clean
 all: $(BUILD)/libpi0.a $(BUILD)/libpi0.so $(BUILD)/pi0
 
 $(BUILD)/%.o: %.c
@@ -69,6 +72,10 @@ $(BUILD)/libpi0.so: $(LIB_OBJ)
 $(BUILD)/pi0: $(CLI_OBJ) $(BUILD)/libpi0.a
 	$(CC) -o $@ $^ $(LDLIBS_ALL)
 
+$(BUILD)/tests/gpu/%: tests/gpu/%.c $(BUILD)/libpi0.a tests/check.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
+
 $(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a tests/check.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
@@ -76,11 +83,28 @@ $(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a tests/check.h
 run: $(BUILD)/pi0
 	$(BUILD)/pi0 bench
 
-test: $(TEST_BIN) $(BUILD)/pi0
-	PI0_BIN=$(BUILD)/pi0 tests/run.sh $(TEST_BIN)
+# The GPU tests are built here too (so a CPU-only machine with nvcc still compiles every CUDA
+# source and GPU test), but only run by test-gpu.
+test: $(TEST_BIN) $(GPU_TEST_BIN) $(TOOL_BIN) $(BUILD)/pi0
+	PI0_BIN=$(BUILD)/pi0 PI0_TOOLS=$(BUILD)/tests PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(TEST_BIN) tests/crosscheck.sh
+
+test-gpu: $(GPU_TEST_BIN) $(BUILD)/pi0
+	@test -n "$(GPU_TEST_BIN)" || { echo "test-gpu needs nvcc (CUDA toolkit) at build time"; exit 1; }
+	PI0_BIN=$(BUILD)/pi0 PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(GPU_TEST_BIN)
 
 test-asan:
 	$(MAKE) BUILD=build-asan OPT=-O1 SANITIZE="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
+
+# Installs what the build and the tests need: Debian packages (when missing) and PyPI packages the
+# cross-checks against the reference libraries use. Uses sudo when not root.
+APT_PACKAGES = build-essential pkg-config libopenblas-openmp-dev libjansson-dev python3-pip
+PIP_PACKAGES = numpy sentencepiece pillow
+SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+deps:
+	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES); }
+	@python3 -c "import numpy, sentencepiece, PIL" 2>/dev/null || \
+	  python3 -m pip install -q $(PIP_PACKAGES) || python3 -m pip install -q --break-system-packages $(PIP_PACKAGES)
 
 clean:
 	rm -rf build build-asan

@@ -86,13 +86,14 @@ typedef struct {
 
 static void report(const workload *w, const bench_stats *s, pi0_model *model, double peak_gb, int json) {
     double hz = 1000.0 / s->mean, samples_per_s = hz * (double)w->batch;
+    double gpu_gb = (double)pi0_model_device_memory(model) / 1e9;
     if (json) {
         json_t *o = json_pack(
-            "{s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:{s:f,s:f,s:f}}", "backend",
+            "{s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:f,s:{s:f,s:f,s:f}}", "backend",
             pi0_backend_name(pi0_model_backend(model)), "batch", w->batch, "cameras", w->cameras, "masked_cameras",
             w->masked, "prompt_len", w->prompt_len, "horizon", w->horizon, "steps", w->steps, "iters", w->iters,
             "latency_ms", "mean", s->mean, "p50", s->p50, "p95", s->p95, "min", s->min, "max", s->max, "hz", hz,
-            "samples_per_s", samples_per_s, "peak_host_memory_gb", peak_gb, "stages_ms", "vision", s->vision, "prefix",
+            "samples_per_s", samples_per_s, "peak_host_memory_gb", peak_gb, "peak_gpu_memory_gb", gpu_gb, "stages_ms", "vision", s->vision, "prefix",
             s->prefix, "denoise", s->denoise);
         char *text = json_dumps(o, JSON_PRESERVE_ORDER);
         if (text) puts(text);
@@ -107,7 +108,7 @@ static void report(const workload *w, const bench_stats *s, pi0_model *model, do
     printf("latency ms: mean %.2f  p50 %.2f  p95 %.2f  min %.2f  max %.2f\n", s->mean, s->p50, s->p95, s->min, s->max);
     printf("throughput: %.2f Hz, %.2f samples/s\n", hz, samples_per_s);
     printf("stages ms (mean): vision %.2f  prefix %.2f  denoise %.2f\n", s->vision, s->prefix, s->denoise);
-    printf("peak host memory: %.2f GB\n", peak_gb);
+    printf("peak memory: host %.2f GB, gpu %.2f GB\n", peak_gb, gpu_gb);
 }
 
 static int run_bench(pi0_model *model, const workload *w, int json) {

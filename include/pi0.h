@@ -99,6 +99,10 @@ void pi0_model_free(pi0_model *model);
 
 const pi0_dims *pi0_model_dims(const pi0_model *model);
 pi0_backend pi0_model_backend(const pi0_model *model);
+/* Peak bytes of accelerator memory the model's backend has held (weights, graphs, activations);
+ * 0 on the CPU backend. */
+uint64_t pi0_model_device_memory(const pi0_model *model);
+
 /* Number of parameters the engine uses (lm_head and other ignored tensors excluded). */
 uint64_t pi0_model_num_params(const pi0_model *model);
 

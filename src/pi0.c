@@ -138,6 +138,10 @@ pi0_backend pi0_model_backend(const pi0_model *m) {
     return m->backend;
 }
 
+uint64_t pi0_model_device_memory(const pi0_model *m) {
+    return m->ops->device_bytes(m);
+}
+
 uint64_t pi0_model_num_params(const pi0_model *m) {
     uint64_t n = 0;
     for (int i = 0; i < m->num_specs; i++) n += m->specs[i].numel;

@@ -18,6 +18,7 @@
 #include "util/error.h"
 
 #define NORM_EPS 1e-6f
+#define MAX_STEPS_STACK 64
 
 /* Scratch of one Gemma block over `rows` rows; sized for the larger of prefix and suffix use. */
 typedef struct {
@@ -46,7 +47,7 @@ typedef struct {
     int rows;
     const int *positions;  /* RoPE position of each row */
     const int *cache_row;  /* K/V cache row each row's K and V are written to */
-    const cpu_attn_segment *segments;
+    const attn_segment *segments;
     int num_segments;
 } gemma_rows;
 
@@ -111,7 +112,7 @@ static pi0_status vision_forward(const pi0_model *m, const pi0_plan *p, float *o
     float *h = malloc(rows * Dv * sizeof(float)), *q = malloc(rows * Dv * sizeof(float));
     float *k = malloc(rows * Dv * sizeof(float)), *val = malloc(rows * Dv * sizeof(float));
     float *att = malloc(rows * Dv * sizeof(float)), *mlp = malloc(rows * v->mlp_dim * sizeof(float));
-    cpu_attn_segment *segments = malloc((size_t)n * sizeof *segments);
+    attn_segment *segments = malloc((size_t)n * sizeof *segments);
     pi0_status st = PI0_OK;
     if (!patches || !x || !h || !q || !k || !val || !att || !mlp || !segments) {
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the vision encoder (%d images)", n);
@@ -122,7 +123,7 @@ static pi0_status vision_forward(const pi0_model *m, const pi0_plan *p, float *o
     cpu_linear(x, patches, (int)rows, patch_dim, w->patch_w, w->patch_b, Dv);
     for (size_t r = 0; r < rows; r++)
         for (int j = 0; j < Dv; j++) x[r * Dv + j] += w->pos_emb[(r % P) * Dv + j];
-    for (int i = 0; i < n; i++) segments[i] = (cpu_attn_segment){.q_row = i * P, .num_q = P, .k_row = i * P, .num_k = P};
+    for (int i = 0; i < n; i++) segments[i] = (attn_segment){.q_row = i * P, .num_q = P, .k_row = i * P, .num_k = P};
 
     for (int layer = 0; layer < v->depth; layer++) {
         const vit_layer *l = &w->vit[layer];
@@ -170,24 +171,13 @@ static void embed_prefix(const pi0_model *m, const pi0_plan *p, const float *vis
 static pi0_status prefix_forward(const pi0_model *m, const pi0_plan *p, float *x, float **cache_k, float **cache_v,
                                  const cpu_rope_table *rope, pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.llm;
-    int rows = p->total_prefix;
-    int *positions = malloc(sizeof(int) * ((size_t)rows + 1)), *cache_row = malloc(sizeof(int) * ((size_t)rows + 1));
-    cpu_attn_segment *segments = malloc(sizeof *segments * (size_t)p->batch);
     gemma_scratch s = {0};
     pi0_status st = PI0_OK;
-    if (!positions || !cache_row || !segments || gemma_scratch_alloc(&s, (size_t)rows, d)) {
-        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the prefix pass (%d tokens)", rows);
+    if (gemma_scratch_alloc(&s, (size_t)p->total_prefix, d)) {
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the prefix pass (%d tokens)", p->total_prefix);
         goto done;
     }
-    for (int b = 0; b < p->batch; b++) {
-        for (int i = 0; i < p->prefix_len[b]; i++) {
-            positions[p->prefix_start[b] + i] = i;
-            cache_row[p->prefix_start[b] + i] = p->cache_start[b] + i;
-        }
-        segments[b] = (cpu_attn_segment){.q_row = p->prefix_start[b], .num_q = p->prefix_len[b],
-                                         .k_row = p->cache_start[b], .num_k = p->prefix_len[b]};
-    }
-    gemma_rows r = {rows, positions, cache_row, segments, p->batch};
+    gemma_rows r = {p->total_prefix, p->prefix_pos, p->prefix_cache_row, p->prefix_segments, p->batch};
     for (int layer = 0; layer < d->depth; layer++)
         if (gemma_block(&m->weights.llm[layer], d, x, &r, cache_k[layer], cache_v[layer], rope, &s,
                         layer == d->depth - 1)) {
@@ -195,24 +185,11 @@ static pi0_status prefix_forward(const pi0_model *m, const pi0_plan *p, float *x
             break;
         }
 done:
-    free(positions), free(cache_row), free(segments);
     gemma_scratch_free(&s);
     return st;
 }
 
 /* ---- denoise ----------------------------------------------------------------------------------- */
-
-/* Sin-cos embedding of the flow time t over `width` features (PI0_SPEC §2). */
-static void time_embedding(float t, int width, float *out) {
-    int half = width / 2;
-    for (int i = 0; i < half; i++) {
-        double fraction = half > 1 ? (double)i / (half - 1) : 0.0;
-        double period = 4e-3 * pow(4.0 / 4e-3, fraction);
-        double angle = (double)t * 2.0 * M_PI / period;
-        out[i] = (float)sin(angle);
-        out[half + i] = (float)cos(angle);
-    }
-}
 
 typedef struct {
     float *suffix;      /* (B (H+1), We) the expert's residual stream */
@@ -222,14 +199,12 @@ typedef struct {
     float *state_token; /* (B, We) */
     float *velocity;    /* (B H, A) */
     float *time_emb;    /* (We) */
-    int *positions, *cache_row;
-    cpu_attn_segment *segments;
     gemma_scratch block;
 } denoise_buffers;
 
 static void denoise_free(denoise_buffers *b) {
     free(b->suffix), free(b->action_emb), free(b->mlp_in), free(b->hidden), free(b->state_token);
-    free(b->velocity), free(b->time_emb), free(b->positions), free(b->cache_row), free(b->segments);
+    free(b->velocity), free(b->time_emb);
     gemma_scratch_free(&b->block);
 }
 
@@ -243,27 +218,10 @@ static int denoise_alloc(denoise_buffers *b, const pi0_dims *d, int B, int H) {
     b->state_token = malloc((size_t)B * We * sizeof(float));
     b->velocity = malloc(actions * d->action_dim * sizeof(float));
     b->time_emb = malloc(We * sizeof(float));
-    b->positions = malloc(rows * sizeof(int));
-    b->cache_row = malloc(rows * sizeof(int));
-    b->segments = malloc((size_t)B * sizeof(cpu_attn_segment));
     return b->suffix && b->action_emb && b->mlp_in && b->hidden && b->state_token && b->velocity && b->time_emb &&
-                   b->positions && b->cache_row && b->segments && !gemma_scratch_alloc(&b->block, rows, &d->expert)
+                   !gemma_scratch_alloc(&b->block, rows, &d->expert)
                ? 0
                : -1;
-}
-
-/* Suffix token i of sample b sits at position prefix_len + i and at cache row cache_start + prefix_len + i.
- * The state token (i = 0) sees the prefix and itself; action tokens see everything. */
-static void denoise_layout(const pi0_plan *p, denoise_buffers *b) {
-    int S = p->horizon + 1;
-    for (int s = 0; s < p->batch; s++) {
-        for (int i = 0; i < S; i++) {
-            b->positions[s * S + i] = p->prefix_len[s] + i;
-            b->cache_row[s * S + i] = p->cache_start[s] + p->prefix_len[s] + i;
-        }
-        b->segments[s] = (cpu_attn_segment){.q_row = s * S, .num_q = S, .k_row = p->cache_start[s],
-                                            .num_k = p->prefix_len[s] + S, .state_keys = p->prefix_len[s] + 1};
-    }
 }
 
 /* v(x_t, t): the action expert's velocity for every sample, into b->velocity (B H, A). */
@@ -289,15 +247,14 @@ static int velocity(const pi0_model *m, const pi0_plan *p, const float *x_t, flo
         memcpy(b->suffix + (size_t)s * S * We, b->state_token + (size_t)s * We, We * sizeof(float));
         memcpy(b->suffix + ((size_t)s * S + 1) * We, b->action_emb + (size_t)s * H * We, (size_t)H * We * sizeof(float));
     }
-    gemma_rows r = {p->batch * S, b->positions, b->cache_row, b->segments, p->batch};
+    gemma_rows r = {p->batch * S, p->suffix_pos, p->suffix_cache_row, p->suffix_segments, p->batch};
     for (int layer = 0; layer < d->expert.depth; layer++)
         if (gemma_block(&w->expert[layer], &d->expert, b->suffix, &r, cache_k[layer], cache_v[layer], rope, &b->block, 0))
             return -1;
 
     /* v = action_out_proj(final_norm(suffix)[1:]) */
-    cpu_rmsnorm(b->block.h, b->suffix, p->batch * S, We, w->expert_norm, NORM_EPS);
-    for (int s = 0; s < p->batch; s++)
-        memcpy(b->hidden + (size_t)s * H * We, b->block.h + ((size_t)s * S + 1) * We, (size_t)H * We * sizeof(float));
+    for (int i = 0; i < actions; i++)
+        cpu_rmsnorm(b->hidden + (size_t)i * We, b->suffix + (size_t)p->action_rows[i] * We, 1, We, w->expert_norm, NORM_EPS);
     cpu_linear(b->velocity, b->hidden, actions, We, w->action_out_w, w->action_out_b, A);
     return 0;
 }
@@ -312,20 +269,20 @@ static pi0_status denoise(const pi0_model *m, const pi0_plan *p, float **cache_k
         denoise_free(&b);
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the denoise loop");
     }
-    denoise_layout(p, &b);
     cpu_linear(b.state_token, p->state, p->batch, d->action_dim, m->weights.state_proj_w, m->weights.state_proj_b,
                d->expert.width);
     memcpy(actions, p->noise, n * sizeof(float));
-    float dt = -1.0f / (float)p->num_steps, t = 1.0f;
-    pi0_status st = PI0_OK;
-    for (int step = 0; step < p->num_steps; step++) {
-        if (velocity(m, p, actions, t, cache_k, cache_v, rope, &b)) {
+    float dt = -1.0f / (float)p->num_steps, t[MAX_STEPS_STACK], *times = p->num_steps <= MAX_STEPS_STACK ? t : malloc(sizeof(float) * p->num_steps);
+    pi0_status st = times ? PI0_OK : pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the denoise loop");
+    if (times) flow_times(p->num_steps, times);
+    for (int step = 0; times && step < p->num_steps; step++) {
+        if (velocity(m, p, actions, times[step], cache_k, cache_v, rope, &b)) {
             st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in expert attention");
             break;
         }
         for (size_t i = 0; i < n; i++) actions[i] += dt * b.velocity[i];
-        t += dt;
     }
+    if (times != t) free(times);
     denoise_free(&b);
     return st;
 }
@@ -407,4 +364,9 @@ static void cpu_release(pi0_model *m) {
     (void)m;
 }
 
-const pi0_backend_ops pi0_cpu_backend = {"cpu", cpu_init, cpu_sample, cpu_release};
+static uint64_t cpu_device_bytes(const pi0_model *m) {
+    (void)m;
+    return 0;
+}
+
+const pi0_backend_ops pi0_cpu_backend = {"cpu", cpu_init, cpu_sample, cpu_release, cpu_device_bytes};

@@ -123,7 +123,7 @@ static void softmax_prefix(float *row, int n, int total) {
 }
 
 static void attend_one_head(float *out, int ldo, const float *q, int ldq, const float *k, const float *v, int ldkv,
-                            const cpu_attn_segment *s, int head_dim, float scale, float *scores) {
+                            const attn_segment *s, int head_dim, float scale, float *scores) {
     /* scores (num_q, num_k) = scale * Q K^T; then softmax per query; out = scores V */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s->num_q, s->num_k, head_dim, scale, q, ldq, k, ldkv, 0.0f,
                 scores, s->num_k);
@@ -136,12 +136,12 @@ static void attend_one_head(float *out, int ldo, const float *q, int ldq, const 
 }
 
 int cpu_attention(float *out, int ldo, const float *q, int ldq, const float *k, const float *v, int ldkv,
-                  const cpu_attn_segment *segments, int num_segments, int num_heads, int num_kv_heads, int head_dim,
+                  const attn_segment *segments, int num_segments, int num_heads, int num_kv_heads, int head_dim,
                   float scale) {
     int group = num_heads / num_kv_heads, tasks = num_segments * num_heads, failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int task = 0; task < tasks; task++) {
-        const cpu_attn_segment *s = &segments[task / num_heads];
+        const attn_segment *s = &segments[task / num_heads];
         int h = task % num_heads, kv = h / group;
         if (s->num_q == 0 || s->num_k == 0) continue;
         float *scores = malloc((size_t)s->num_q * s->num_k * sizeof(float));

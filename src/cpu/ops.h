@@ -9,6 +9,8 @@
 
 #include <stddef.h>
 
+#include "model/plan.h"
+
 /* out (rows, out_dim) = in (rows, in_dim) W^T + b; b may be NULL. */
 void cpu_linear(float *out, const float *in, int rows, int in_dim, const float *w, const float *b, int out_dim);
 /* x (rows, out_dim) += in W^T + b: a residual branch added in place. */
@@ -36,20 +38,11 @@ void cpu_rope_table_free(cpu_rope_table *t);
 /* Rotate-half RoPE on `heads` heads of every row; row r has position positions[r]. */
 void cpu_rope(float *x, int rows, int ld, int heads, int head_dim, const int *positions, const cpu_rope_table *t);
 
-/*
- * One attention problem: queries [q_row, q_row + num_q) against keys/values [k_row, k_row + num_k).
- * When state_keys > 0 the first query sees only the first state_keys keys (Pi0's state token must
- * not see the action tokens); every other query sees all num_k keys.
- */
-typedef struct {
-    int q_row, num_q, k_row, num_k, state_keys;
-} cpu_attn_segment;
-
 /* Multi-head attention with num_heads query heads sharing num_kv_heads K/V heads (MQA/GQA), logits
  * scaled by `scale`, softmax in float32. Segments are independent; they run in parallel.
  * Returns 0, or -1 when scratch memory ran out. */
 int cpu_attention(float *out, int ldo, const float *q, int ldq, const float *k, const float *v, int ldkv,
-                  const cpu_attn_segment *segments, int num_segments, int num_heads, int num_kv_heads, int head_dim,
+                  const attn_segment *segments, int num_segments, int num_heads, int num_kv_heads, int head_dim,
                   float scale);
 
 #endif

@@ -18,6 +18,7 @@ typedef struct pi0_backend_ops {
     pi0_status (*sample)(pi0_model *model, const pi0_plan *plan, float *actions, pi0_timings *timings,
                          pi0_error *err);
     void (*release)(pi0_model *model);
+    uint64_t (*device_bytes)(const pi0_model *model); /* peak accelerator memory held */
 } pi0_backend_ops;
 
 struct pi0_model {

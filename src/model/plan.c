@@ -1,5 +1,6 @@
 #include "model/plan.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -53,8 +54,39 @@ static int alloc_all(pi0_plan *p, int B, int num_cameras, int prompt_len) {
     p->prefix_start = calloc((size_t)B, sizeof(int));
     p->prefix_len = calloc((size_t)B, sizeof(int));
     p->cache_start = calloc((size_t)B, sizeof(int));
+    p->prefix_segments = calloc((size_t)B, sizeof(attn_segment));
+    p->suffix_segments = calloc((size_t)B, sizeof(attn_segment));
     return p->images && p->image_start && p->prompt_ids && p->prompt_start && p->prefix_start && p->prefix_len &&
-           p->cache_start;
+           p->cache_start && p->prefix_segments && p->suffix_segments;
+}
+
+/* Where each valid token lives and what it attends to (see the top of plan.h). */
+static int layout_tokens(pi0_plan *p) {
+    int S = p->horizon + 1;
+    size_t prefix = (size_t)p->total_prefix + 1, suffix = (size_t)p->batch * S;
+    p->prefix_pos = malloc(prefix * sizeof(int));
+    p->prefix_cache_row = malloc(prefix * sizeof(int));
+    p->suffix_pos = malloc(suffix * sizeof(int));
+    p->suffix_cache_row = malloc(suffix * sizeof(int));
+    p->action_rows = malloc((size_t)p->batch * p->horizon * sizeof(int));
+    if (!p->prefix_pos || !p->prefix_cache_row || !p->suffix_pos || !p->suffix_cache_row || !p->action_rows) return -1;
+    for (int b = 0; b < p->batch; b++) {
+        int len = p->prefix_len[b];
+        for (int i = 0; i < len; i++) {
+            p->prefix_pos[p->prefix_start[b] + i] = i;
+            p->prefix_cache_row[p->prefix_start[b] + i] = p->cache_start[b] + i;
+        }
+        p->prefix_segments[b] = (attn_segment){.q_row = p->prefix_start[b], .num_q = len, .k_row = p->cache_start[b], .num_k = len};
+        for (int i = 0; i < S; i++) {
+            p->suffix_pos[b * S + i] = len + i;
+            p->suffix_cache_row[b * S + i] = p->cache_start[b] + len + i;
+        }
+        /* the state token (suffix row 0) sees the prefix and itself; action tokens see everything */
+        p->suffix_segments[b] = (attn_segment){.q_row = b * S, .num_q = S, .k_row = p->cache_start[b], .num_k = len + S,
+                                               .state_keys = len + 1};
+        for (int i = 0; i < p->horizon; i++) p->action_rows[b * p->horizon + i] = b * S + 1 + i;
+    }
+    return 0;
 }
 
 /* Standard normal noise from the seed, as documented in pi0.h. */
@@ -101,6 +133,7 @@ pi0_status plan_build(const pi0_dims *dims, const pi0_batch *b, pi0_plan *p, pi0
         return plan_free(p), pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "batch has too many tokens (%lld)", (long long)cache_rows);
     p->total_prefix = (int)prefix_rows;
     p->cache_rows = (int)cache_rows;
+    if (layout_tokens(p)) goto oom;
 
     size_t noise_len = (size_t)B * p->horizon * dims->action_dim;
     p->noise = b->noise;
@@ -119,6 +152,24 @@ void plan_free(pi0_plan *p) {
     free(p->prefix_start);
     free(p->prefix_len);
     free(p->cache_start);
+    free(p->prefix_pos), free(p->prefix_cache_row), free(p->prefix_segments);
+    free(p->suffix_pos), free(p->suffix_cache_row), free(p->suffix_segments), free(p->action_rows);
     free(p->noise_owned);
     memset(p, 0, sizeof *p);
+}
+
+void flow_times(int num_steps, float *t) {
+    float dt = -1.0f / (float)num_steps, now = 1.0f;
+    for (int i = 0; i < num_steps; i++, now += dt) t[i] = now;
+}
+
+void time_embedding(float t, int width, float *out) {
+    int half = width / 2;
+    for (int i = 0; i < half; i++) {
+        double fraction = half > 1 ? (double)i / (half - 1) : 0.0;
+        double period = 4e-3 * pow(4.0 / 4e-3, fraction);
+        double angle = (double)t * 2.0 * M_PI / period;
+        out[i] = (float)sin(angle);
+        out[half + i] = (float)cos(angle);
+    }
 }

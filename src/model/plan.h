@@ -17,6 +17,16 @@
 
 #include "pi0.h"
 
+/*
+ * One attention problem, in the same form for every backend: queries [q_row, q_row + num_q)
+ * against keys/values [k_row, k_row + num_k). When state_keys > 0 the first query sees only the
+ * first state_keys keys (Pi0's state token must not see the action tokens); every other query sees
+ * all num_k keys.
+ */
+typedef struct {
+    int q_row, num_q, k_row, num_k, state_keys;
+} attn_segment;
+
 typedef struct {
     int batch, horizon, num_steps;
     int num_images;             /* valid camera images over the batch */
@@ -29,6 +39,13 @@ typedef struct {
     int *cache_start;           /* [batch] first K/V cache row of sample b */
     int cache_rows;             /* sum of prefix_len[b] + horizon + 1 */
     int max_prefix;
+    /* per prefix row (total_prefix): RoPE position and K/V cache row; one attention segment per sample */
+    int *prefix_pos, *prefix_cache_row;
+    attn_segment *prefix_segments;
+    /* per suffix row (batch (horizon + 1), sample b's state token at b (H+1), its actions after it) */
+    int *suffix_pos, *suffix_cache_row;
+    attn_segment *suffix_segments;
+    int *action_rows; /* batch horizon: the suffix row of each action token */
     const float *state;         /* (B, action_dim) */
     const float *noise;         /* (B, H, action_dim): the caller's, or noise_owned */
     float *noise_owned;
@@ -37,5 +54,11 @@ typedef struct {
 /* Validates `batch` against `dims` (shapes, token ids, limits) and builds the plan. */
 pi0_status plan_build(const pi0_dims *dims, const pi0_batch *batch, pi0_plan *plan, pi0_error *err);
 void plan_free(pi0_plan *plan);
+
+/* Flow time of each Euler step (1, 1 + dt, ...), accumulated in float32 like openpi. */
+void flow_times(int num_steps, float *t);
+
+/* Sin-cos embedding of flow time t over `width` features (PI0_SPEC §2), computed in double. */
+void time_embedding(float t, int width, float *out);
 
 #endif

@@ -1,0 +1,448 @@
+/*
+ * attention.cu - flash-style fused attention with tensor cores (FlashAttention-2 pattern), bf16 I/O.
+ *
+ * Design. Within a segment, the G = num_heads / num_kv_heads query heads that share one K/V head are
+ * laid out as G * num_q "virtual query rows", token-major (row r = token r / G, head g*G + r % G), so
+ * that one block serves many (token, head) pairs with every K/V tile it loads: with MQA (Gemma, G = 8)
+ * a block of 64 rows covers 8 tokens x 8 heads, and an 11-token denoise segment needs only two blocks
+ * per sample instead of one mostly-empty block per head. A block is 4 warps, 64 virtual rows (16 per
+ * warp, one m16 tile each); grid = (row tiles of the largest segment, kv heads, segments), blocks past
+ * their segment's rows return at once. Keys go by in tiles of 64: K and V are copied to shared memory
+ * with 16-byte cp.async (zero-filled past num_k, so no key outside the segment is ever read), and the
+ * copies overlap the math: V(j) streams in while S = Q K(j)^T is computed, K(j+1) while O += P V(j)
+ * is. S and O use mma.sync m16n8k16 (bf16 in, fp32 accumulate) fed by ldmatrix (V through .trans).
+ * The online softmax runs in fp32 in registers, in the log2 domain (exp2 of logits pre-scaled by
+ * scale * log2 e); the row max is shared by the 4 lanes of a quad, the row sum stays per lane until the
+ * end. The probabilities go from the S accumulators straight into the A fragments of the P V product
+ * (an m16n8 C tile pair is an m16k16 A tile), rounded to bf16 as FlashAttention does. Masks: a logit
+ * at key >= visible(row) is -inf (only the first query of a segment with state_keys can see fewer
+ * keys); tiles past every row's visible range of a block are not visited. The first tile always holds
+ * key 0, which every row sees, so the running max is finite after it and no row can produce NaN.
+ * The result O / l is staged in the warp's own (no longer needed) Q rows of shared memory and written
+ * with coalesced 16-byte stores.
+ *
+ * head_dim is a template constant: 256 (Gemma) and 72 (SigLIP). For 72 the QK^T contraction is
+ * padded to 80 with zero columns in shared memory (global memory is never read past column 72) and
+ * the output is 9 n8 tiles. Shared-memory rows are padded by 16 bytes, which makes every ldmatrix and
+ * the staging stores free of bank conflicts. Shared memory per block: Q + K + V tiles of 64 rows =
+ * 3 * 64 * (256 + 8) * 2 = 99 KB for 256 (two blocks per SM on Hopper; exactly the 99 KB opt-in limit
+ * of sm_86/sm_89), 33 KB for 72. For 72 the Q fragments stay in registers for the whole loop; for 256
+ * they are re-read from shared memory per tile (keeping them would cost 64 more registers on top of
+ * the 128 of the O accumulator and spill).
+ *
+ * Trade-offs and what is left on the table: (1) mma.sync rather than Hopper's wgmma/TMA: portable to
+ * sm_80..sm_90 and simple; attention is a small share of the inference (DESIGN.md), so ~50-60% of the
+ * wgmma peak is acceptable for now. (2) No split over keys (flash-decoding): a denoise step with few
+ * samples launches few blocks, each walking all ~1000 keys; fine while those calls take microseconds.
+ * (3) Unaligned pointers or leading dimensions (not multiples of 8 elements) take a correct but slow
+ * scalar copy path instead of cp.async. (4) P is rounded to bf16 before P V (relative error ~2^-9 per
+ * weight, the same as FlashAttention), the row sum l uses the unrounded fp32 values.
+ */
+#include "cuda/attention.h"
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kRows = 64;     /* virtual query rows per block */
+constexpr int kKeys = 64;     /* keys per K/V tile */
+constexpr int kThreads = 128; /* 4 warps x 16 rows */
+constexpr int kMaxDevices = 64;
+
+template <int HD>
+struct AttnConfig {
+    static_assert(HD % 8 == 0, "head_dim must be a multiple of 8");
+    static constexpr int HDP = (HD + 15) / 16 * 16;   /* contraction padded to k16: 80 or 256 */
+    static_assert(HDP == HD || HDP == HD + 8, "one 8-column pad chunk at most");
+    static constexpr int LDS = HDP + 8;               /* smem row stride (elements): +16 bytes vs bank conflicts */
+    static constexpr int KCH = HDP / 16;              /* k16 steps of Q K^T */
+    static constexpr int NTO = HD / 8;                /* n8 output tiles of P V */
+    static constexpr int CH = HD / 8;                 /* 16-byte chunks of one global row */
+    static constexpr bool QREG = KCH <= 8;            /* keep the Q fragments in registers */
+    static constexpr int TILE = kRows * LDS;          /* elements of one smem tile (Q, K or V) */
+    static constexpr size_t SMEM = 3 * (size_t)TILE * sizeof(uint16_t);
+};
+
+struct AttnParams {
+    uint16_t *out;
+    const uint16_t *q, *k, *v;
+    int ldo, ldq, ldkv;
+    const attn_segment *segments;
+    int group;        /* query heads per kv head */
+    float scale_log2; /* scale * log2(e) */
+    int vec_q, vec_kv, vec_o; /* 16-byte paths allowed */
+};
+
+extern __shared__ __align__(16) unsigned char attn_smem[];
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* One 16-byte chunk (8 bf16) global -> shared; zeros when !valid (src is then never read). */
+__device__ __forceinline__ void copy_chunk(uint16_t *dst, const uint16_t *src, bool valid, bool vec) {
+    if (vec) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                     "l"(__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
+                     : "memory");
+    } else {
+        uint4 w = make_uint4(0, 0, 0, 0);
+        if (valid) {
+            w.x = (uint32_t)src[0] | ((uint32_t)src[1] << 16);
+            w.y = (uint32_t)src[2] | ((uint32_t)src[3] << 16);
+            w.z = (uint32_t)src[4] | ((uint32_t)src[5] << 16);
+            w.w = (uint32_t)src[6] | ((uint32_t)src[7] << 16);
+        }
+        *reinterpret_cast<uint4 *>(dst) = w;
+    }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_one_left() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t r[2], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr)
+                 : "memory");
+}
+
+/* c (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col) */
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Two floats -> packed bf16x2 (round to nearest even): lo in the low half (lower column). */
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads) attention_kernel(AttnParams p) {
+    using C = AttnConfig<HD>;
+    const attn_segment seg = p.segments[blockIdx.z];
+    const int G = p.group;
+    const int rows_total = seg.num_q * G; /* virtual rows of this segment */
+    const int r_begin = blockIdx.x * kRows;
+    if (seg.num_q <= 0 || seg.num_k <= 0 || r_begin >= rows_total) return; /* uniform per block */
+
+    uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem);
+    uint16_t *sK = sQ + C::TILE;
+    uint16_t *sV = sK + C::TILE;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int kvh = blockIdx.y;
+    const int num_k = seg.num_k;
+    const int state_vis = seg.state_keys > 0 ? min(seg.state_keys, num_k) : num_k;
+
+    /* Keys visible to this block's rows: only virtual rows r < G (token 0) can see fewer. */
+    const int r_last = min(r_begin + kRows, rows_total) - 1;
+    const int block_vis = r_last < G ? state_vis : num_k;
+    const int n_tiles = (block_vis + kKeys - 1) / kKeys;
+
+    const uint16_t *qbase = p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * HD;
+    const uint16_t *kbase = p.k + (size_t)seg.k_row * p.ldkv + (size_t)kvh * HD;
+    const uint16_t *vbase = p.v + (size_t)seg.k_row * p.ldkv + (size_t)kvh * HD;
+    const bool vec_q = p.vec_q != 0, vec_kv = p.vec_kv != 0;
+
+    /* Zero the pad columns [HD, HDP) of all three tiles once: copies never touch them. */
+    if constexpr (C::HDP > HD) {
+        for (int i = tid; i < 3 * kRows; i += kThreads)
+            *reinterpret_cast<uint4 *>(sQ + (i / kRows) * C::TILE + (i % kRows) * C::LDS + HD) = make_uint4(0, 0, 0, 0);
+    }
+
+    /* Q tile: virtual row r -> token r / G, head kvh * G + r % G; rows past the segment are zeros. */
+    for (int i = tid; i < kRows * C::CH; i += kThreads) {
+        const int r = i / C::CH, c = i % C::CH, vr = r_begin + r;
+        const bool valid = vr < rows_total;
+        const int t = valid ? vr / G : 0, hh = valid ? vr - t * G : 0;
+        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * HD + c * 8, valid, vec_q);
+    }
+    cp_async_commit();
+
+    auto load_kv = [&](uint16_t *dst, const uint16_t *base, int key0) {
+        for (int i = tid; i < kKeys * C::CH; i += kThreads) {
+            const int r = i / C::CH, c = i % C::CH, key = key0 + r;
+            const bool valid = key < num_k;
+            copy_chunk(dst + r * C::LDS + c * 8, base + (size_t)(valid ? key : 0) * p.ldkv + c * 8, valid, vec_kv);
+        }
+    };
+    load_kv(sK, kbase, 0);
+    cp_async_commit();
+
+    /* Per-lane ldmatrix addresses (bytes, shared space). */
+    const int lrow = lane & 7, lsel1 = (lane >> 3) & 1, lsel2 = lane >> 4;
+    /* A (Q): matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) */
+    const uint32_t q_addr = smem_addr(sQ + (warp * 16 + lrow + lsel1 * 8) * C::LDS + lsel2 * 8);
+    /* B (K, non-trans): (keys 0-7, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 0-7), (keys 8-15, d 8-15) */
+    const uint32_t k_addr = smem_addr(sK + (lrow + lsel2 * 8) * C::LDS + lsel1 * 8);
+    /* B (V, trans): (keys 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15) */
+    const uint32_t v_addr = smem_addr(sV + (lrow + lsel1 * 8) * C::LDS + lsel2 * 8);
+
+    /* This lane's two rows: quad_row and quad_row + 8 of the warp's 16. */
+    const int quad_row = lane >> 2, quad_col = lane & 3;
+    const int vr0 = r_begin + warp * 16 + quad_row, vr1 = vr0 + 8;
+    const int vis0 = vr0 < G ? state_vis : num_k, vis1 = vr1 < G ? state_vis : num_k;
+    const bool warp_active = r_begin + warp * 16 < rows_total; /* warp-uniform */
+
+    uint32_t qf[C::QREG ? C::KCH : 1][4];
+    if constexpr (C::QREG) {
+        cp_async_wait_one_left(); /* the Q group; K(0) may still be in flight */
+        __syncthreads();
+#pragma unroll
+        for (int kc = 0; kc < C::KCH; kc++) ldsm_x4(qf[kc], q_addr + kc * 32);
+    }
+
+    float o[C::NTO][4];
+#pragma unroll
+    for (int t = 0; t < C::NTO; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int j = 0; j < n_tiles; j++) {
+        const int key0 = j * kKeys;
+        cp_async_wait_all(); /* K(j) (and Q) landed for this thread ... */
+        __syncthreads();     /* ... and for all; every warp is also done with V(j-1) */
+        load_kv(sV, vbase, key0);
+        cp_async_commit();
+
+        float s[8][4];
+        if (warp_active) {
+#pragma unroll
+            for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < C::KCH; kc++) {
+                uint32_t a[4];
+                if constexpr (C::QREG) {
+                    a[0] = qf[kc][0];
+                    a[1] = qf[kc][1];
+                    a[2] = qf[kc][2];
+                    a[3] = qf[kc][3];
+                } else {
+                    ldsm_x4(a, q_addr + kc * 32);
+                }
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    uint32_t b[4];
+                    ldsm_x4(b, k_addr + (np * 16 * C::LDS + kc * 16) * 2);
+                    mma_bf16(s[2 * np], a, b[0], b[1]);
+                    mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+
+            /* Scale into the log2 domain; mask keys past each row's visible range. */
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                s[n][0] *= p.scale_log2;
+                s[n][1] *= p.scale_log2;
+                s[n][2] *= p.scale_log2;
+                s[n][3] *= p.scale_log2;
+            }
+            if (key0 + kKeys > vis0 || key0 + kKeys > vis1) {
+#pragma unroll
+                for (int n = 0; n < 8; n++) {
+                    const int key = key0 + n * 8 + quad_col * 2;
+                    if (key >= vis0) s[n][0] = -INFINITY;
+                    if (key + 1 >= vis0) s[n][1] = -INFINITY;
+                    if (key >= vis1) s[n][2] = -INFINITY;
+                    if (key + 1 >= vis1) s[n][3] = -INFINITY;
+                }
+            }
+
+            /* Online softmax: new running max per row (over the quad), rescale, exponentiate. */
+            float mx0 = m0, mx1 = m1;
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            /* A row with every logit so far masked would have mx = -inf; exp2(-inf - 0) = 0 keeps it NaN-free. */
+            const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
+            const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
+            m0 = mx0;
+            m1 = mx1;
+            l0 *= alpha0;
+            l1 *= alpha1;
+#pragma unroll
+            for (int t = 0; t < C::NTO; t++) {
+                o[t][0] *= alpha0;
+                o[t][1] *= alpha0;
+                o[t][2] *= alpha1;
+                o[t][3] *= alpha1;
+            }
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                s[n][0] = exp2f(s[n][0] - base0);
+                s[n][1] = exp2f(s[n][1] - base0);
+                s[n][2] = exp2f(s[n][2] - base1);
+                s[n][3] = exp2f(s[n][3] - base1);
+                l0 += s[n][0] + s[n][1];
+                l1 += s[n][2] + s[n][3];
+            }
+        }
+
+        cp_async_wait_all(); /* V(j) landed for this thread ... */
+        __syncthreads();     /* ... and for all; every warp is also done with K(j) */
+        if (j + 1 < n_tiles) {
+            load_kv(sK, kbase, key0 + kKeys);
+            cp_async_commit();
+        }
+
+        if (warp_active) {
+            /* O += P V: the C tiles (n = 2kc, 2kc+1) of S form the A fragment of keys [16kc, 16kc+16). */
+#pragma unroll
+            for (int kc = 0; kc < 4; kc++) {
+                uint32_t a[4];
+                a[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
+                a[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
+                a[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+                a[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+                for (int dp = 0; dp < C::NTO / 2; dp++) {
+                    uint32_t b[4];
+                    ldsm_x4_trans(b, v_addr + (kc * 16 * C::LDS + dp * 16) * 2);
+                    mma_bf16(o[2 * dp], a, b[0], b[1]);
+                    mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+                }
+                if constexpr (C::NTO % 2 != 0) {
+                    uint32_t b[2];
+                    ldsm_x2_trans(b, v_addr + (kc * 16 * C::LDS + (C::NTO - 1) * 8) * 2);
+                    mma_bf16(o[C::NTO - 1], a, b[0], b[1]);
+                }
+            }
+        }
+    }
+
+    if (!warp_active) return; /* no barrier follows */
+
+    /* Finish the row sums over the quad, normalize, stage as bf16 in this warp's own Q rows. */
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    uint16_t *so = sQ + warp * 16 * C::LDS;
+    __syncwarp(); /* every lane of the warp is done reading its Q rows */
+#pragma unroll
+    for (int t = 0; t < C::NTO; t++) {
+        *reinterpret_cast<uint32_t *>(so + quad_row * C::LDS + t * 8 + quad_col * 2) =
+            pack_bf16(o[t][0] * inv0, o[t][1] * inv0);
+        *reinterpret_cast<uint32_t *>(so + (quad_row + 8) * C::LDS + t * 8 + quad_col * 2) =
+            pack_bf16(o[t][2] * inv1, o[t][3] * inv1);
+    }
+    __syncwarp();
+
+    uint16_t *obase = p.out + (size_t)seg.q_row * p.ldo + (size_t)kvh * G * HD;
+    for (int i = lane; i < 16 * C::CH; i += 32) {
+        const int r = i / C::CH, c = i % C::CH, vr = r_begin + warp * 16 + r;
+        if (vr >= rows_total) continue;
+        const int t = vr / G, hh = vr - t * G;
+        uint16_t *dst = obase + (size_t)t * p.ldo + hh * HD + c * 8;
+        const uint16_t *src = so + r * C::LDS + c * 8;
+        if (p.vec_o) {
+            *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) dst[e] = src[e];
+        }
+    }
+}
+
+/* Raises the dynamic shared-memory limit of one instantiation, once per device. */
+template <int HD>
+cudaError_t configure(void) {
+    static int done[kMaxDevices];
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (dev >= 0 && dev < kMaxDevices && __atomic_load_n(&done[dev], __ATOMIC_ACQUIRE)) return cudaSuccess;
+    e = cudaFuncSetAttribute(attention_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)AttnConfig<HD>::SMEM);
+    if (e != cudaSuccess) return e;
+    e = cudaFuncSetAttribute(attention_kernel<HD>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             (int)cudaSharedmemCarveoutMaxShared);
+    if (e != cudaSuccess) return e;
+    if (dev >= 0 && dev < kMaxDevices) __atomic_store_n(&done[dev], 1, __ATOMIC_RELEASE);
+    return cudaSuccess;
+}
+
+template <int HD>
+cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int num_kv_heads, cudaStream_t stream) {
+    cudaError_t e = configure<HD>();
+    if (e != cudaSuccess) return e;
+    const int kMaxZ = 65535;
+    for (int first = 0; first < num_segments; first += kMaxZ) {
+        AttnParams p = base;
+        p.segments = base.segments + first;
+        const int n = num_segments - first < kMaxZ ? num_segments - first : kMaxZ;
+        dim3 grid((unsigned)row_tiles, (unsigned)num_kv_heads, (unsigned)n);
+        attention_kernel<HD><<<grid, kThreads, AttnConfig<HD>::SMEM, stream>>>(p);
+        e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
+
+} /* namespace */
+
+extern "C" cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
+                                          const pi0_bf16 *v, int ldkv, const attn_segment *segments,
+                                          int num_segments, int max_num_q, int num_heads, int num_kv_heads,
+                                          int head_dim, float scale, cudaStream_t stream) {
+    if (head_dim != 72 && head_dim != 256) return cudaErrorInvalidValue;
+    if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_kv_heads > 65535)
+        return cudaErrorInvalidValue;
+    if (num_segments < 0 || max_num_q < 0) return cudaErrorInvalidValue;
+    if (num_segments == 0 || max_num_q == 0) return cudaSuccess;
+    if (!out || !q || !k || !v || !segments) return cudaErrorInvalidValue;
+    if ((long long)ldq < (long long)num_heads * head_dim || (long long)ldo < (long long)num_heads * head_dim ||
+        (long long)ldkv < (long long)num_kv_heads * head_dim)
+        return cudaErrorInvalidValue;
+    if (((uintptr_t)out | (uintptr_t)q | (uintptr_t)k | (uintptr_t)v) % 2 != 0) return cudaErrorInvalidValue;
+    const int group = num_heads / num_kv_heads;
+    const long long rows = (long long)group * max_num_q;
+    if (rows > 0x7fffffffLL - kRows) return cudaErrorInvalidValue;
+    const int row_tiles = (int)((rows + kRows - 1) / kRows);
+
+    AttnParams p;
+    p.out = out;
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.ldo = ldo;
+    p.ldq = ldq;
+    p.ldkv = ldkv;
+    p.segments = segments;
+    p.group = group;
+    p.scale_log2 = scale * 1.4426950408889634f;
+    p.vec_q = aligned16(q, ldq);
+    p.vec_kv = aligned16(k, ldkv) && aligned16(v, ldkv);
+    p.vec_o = aligned16(out, ldo);
+    if (head_dim == 72) return launch<72>(p, num_segments, row_tiles, num_kv_heads, stream);
+    return launch<256>(p, num_segments, row_tiles, num_kv_heads, stream);
+}

@@ -1,0 +1,57 @@
+/*
+ * attention.h - fused multi-head attention (MQA/GQA/MHA) on the GPU, bf16 in and out.
+ *
+ * One call runs many independent attention problems ("segments", see attn_segment in model/plan.h)
+ * in one launch: the ViT's images, the prefix of every sample, the denoise suffix of every sample.
+ * It computes the same function as cpu_attention (src/cpu/ops.h), with bf16 inputs and outputs and
+ * fp32 logits, softmax and accumulation; nothing of size num_q x num_k ever reaches device memory.
+ */
+#ifndef PI0_CUDA_ATTENTION_H
+#define PI0_CUDA_ATTENTION_H
+
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "model/plan.h" /* attn_segment */
+
+#ifndef PI0_BF16_DEFINED
+#define PI0_BF16_DEFINED
+typedef uint16_t pi0_bf16; /* bfloat16 bits */
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * For every segment s (the array lives in DEVICE memory), query i in [0, num_q) and head h in
+ * [0, num_heads):
+ *
+ *   out[(q_row + i) * ldo + h * head_dim + d] =
+ *       sum_j softmax_j(scale * q_i,h . k_j,g) * v_j,g[d]      over keys j in [0, visible(i)),
+ *
+ *   visible(i) = (i == 0 && state_keys > 0) ? min(state_keys, num_k) : num_k,  g = h / (num_heads / num_kv_heads),
+ *   q_i,h at q + (q_row + i) * ldq + h * head_dim, k_j,g / v_j,g at k / v + (k_row + j) * ldkv + g * head_dim.
+ *
+ * Nothing else of `out` is written: segments with num_q == 0 or num_k == 0 write nothing.
+ * max_num_q must bound num_q over all segments; it sizes the grid, so the call can be captured in a
+ * CUDA graph and replayed while the segments' contents change (as long as max_num_q still holds).
+ * Queries of different segments must not write the same output rows concurrently (they would race).
+ *
+ * Limits: head_dim 72 or 256; num_heads a multiple of num_kv_heads; ldq >= num_heads * head_dim,
+ * ldkv >= num_kv_heads * head_dim, ldo >= num_heads * head_dim. Any alignment works; 16-byte aligned
+ * base pointers with leading dimensions that are multiples of 8 take the fast (16-byte, asynchronous
+ * copy) path. Returns cudaErrorInvalidValue for arguments outside these limits, cudaSuccess with no
+ * launch when num_segments or max_num_q is 0, else the launch error.
+ */
+cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
+                               const pi0_bf16 *v, int ldkv, const attn_segment *segments, int num_segments,
+                               int max_num_q, int num_heads, int num_kv_heads, int head_dim, float scale,
+                               cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,42 @@
+/*
+ * gemm.h - every GEMM of the CUDA backend: out (m, n) = alpha x (m, k) . w (n, k)^T [+ bias] [gelu]
+ * + beta out, through cuBLASLt.
+ *
+ * Weights keep PyTorch's (out, in) layout: read column-major they are w^T (k, n), so each call is
+ * cuBLAS's "TN" product with no transposed copy anywhere. bf16 operands, float32 accumulation;
+ * out is bf16 (feeding the next GEMM) or float32 (a residual stream, with beta = 1 to accumulate).
+ * The bias has out's type. The algorithm for each shape is chosen once by cuBLASLt's heuristic and
+ * cached, so capturing a graph costs no repeated search.
+ */
+#ifndef PI0_CUDA_GEMM_H
+#define PI0_CUDA_GEMM_H
+
+#include <cublasLt.h>
+#include <stdint.h>
+
+#include "pi0.h"
+
+typedef struct {
+    int m, n, k;
+    const void *x, *w; /* bf16, or float32 when f32_inputs */
+    void *out;
+    const void *bias;  /* NULL: none */
+    int out_f32, gelu, f32_inputs;
+    float alpha, beta;
+} gemm_args;
+
+typedef struct gemm_algo_entry gemm_algo_entry;
+
+typedef struct {
+    cublasLtHandle_t lt;
+    void *workspace;
+    size_t workspace_size;
+    gemm_algo_entry *algos; /* shape -> algorithm cache */
+    int num_algos, cap_algos;
+} gemm_context;
+
+pi0_status gemm_init(gemm_context *ctx, pi0_error *err);
+void gemm_free(gemm_context *ctx);
+pi0_status gemm_run(gemm_context *ctx, const gemm_args *a, cudaStream_t stream, pi0_error *err);
+
+#endif

@@ -1,0 +1,228 @@
+/*
+ * kernels.cu - the CUDA backend's row-wise and elementwise kernels.
+ *
+ * These are memory-bound and small next to the GEMMs: the design goal is one pass over the data
+ * with float32 arithmetic, one block per row for the norms (a row of 1024..2048 floats fits a
+ * block's registers twice over), and grid-stride loops elsewhere. Fusing them into GEMM prologues
+ * and epilogues is the next step (bench/NOTES.md); keeping them separate first makes each one
+ * testable against the CPU oracle.
+ */
+#include <cuda_bf16.h>
+
+#include "cuda/kernels.h"
+
+#define NORM_THREADS 256
+
+static __host__ __device__ __forceinline__ __nv_bfloat16 *as_bf16(pi0_bf16 *p) { return reinterpret_cast<__nv_bfloat16 *>(p); }
+static __host__ __device__ __forceinline__ const __nv_bfloat16 *as_bf16(const pi0_bf16 *p) {
+    return reinterpret_cast<const __nv_bfloat16 *>(p);
+}
+
+/* Sum over the block; every thread gets the result. Safe to call repeatedly. */
+static __device__ float block_sum(float v) {
+    __shared__ float warp_sums[32];
+    for (int offset = 16; offset; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    __syncthreads(); /* the previous call's readers are done with warp_sums */
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    v = lane < warps ? warp_sums[lane] : 0.0f;
+    for (int offset = 16; offset; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+static __global__ void layernorm_kernel(__nv_bfloat16 *out, const float *in, int dim, const float *w, const float *b,
+                                        float eps) {
+    const float *x = in + (size_t)blockIdx.x * dim;
+    float sum = 0;
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) sum += x[j];
+    float mean = block_sum(sum) / (float)dim, sq = 0;
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) sq += (x[j] - mean) * (x[j] - mean);
+    float inv = rsqrtf(block_sum(sq) / (float)dim + eps);
+    for (int j = threadIdx.x; j < dim; j += blockDim.x)
+        out[(size_t)blockIdx.x * dim + j] = __float2bfloat16((x[j] - mean) * inv * w[j] + b[j]);
+}
+
+static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const int *in_rows, int dim, const float *w,
+                                      float eps) {
+    int row = in_rows ? in_rows[blockIdx.x] : (int)blockIdx.x;
+    const float *x = in + (size_t)row * dim;
+    float sq = 0;
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) sq += x[j] * x[j];
+    float inv = rsqrtf(block_sum(sq) / (float)dim + eps);
+    for (int j = threadIdx.x; j < dim; j += blockDim.x)
+        out[(size_t)blockIdx.x * dim + j] = __float2bfloat16(x[j] * inv * (1.0f + w[j]));
+}
+
+static __device__ __forceinline__ float gelu_tanh(float x) {
+    const float sqrt_2_over_pi = 0.7978845608028654f;
+    return 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * (x + 0.044715f * x * x * x)));
+}
+
+static __global__ void gelu_mul_kernel(__nv_bfloat16 *out, const __nv_bfloat16 *in, int rows, int mlp) {
+    size_t n = (size_t)rows * mlp;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t row = i / mlp, col = i % mlp;
+        float gate = __bfloat162float(in[row * 2 * mlp + col]), up = __bfloat162float(in[row * 2 * mlp + mlp + col]);
+        out[i] = __float2bfloat16(gelu_tanh(gate) * up);
+    }
+}
+
+/* Rotate-half RoPE of one head in place: [x1 cos - x2 sin, x2 cos + x1 sin]. */
+static __device__ __forceinline__ void rope_pair(__nv_bfloat16 *head, int i, int half, const float *c, const float *s,
+                                                 __nv_bfloat16 *dst) {
+    float x1 = __bfloat162float(head[i]), x2 = __bfloat162float(head[i + half]);
+    dst[i] = __float2bfloat16(x1 * c[i] - x2 * s[i]);
+    dst[i + half] = __float2bfloat16(x2 * c[i] + x1 * s[i]);
+}
+
+static __global__ void rope_qkv_kernel(__nv_bfloat16 *qkv, int heads, int kv_heads, int head_dim, const int *positions,
+                                       const int *cache_rows, __nv_bfloat16 *cache_k, __nv_bfloat16 *cache_v,
+                                       const float *rope_cos, const float *rope_sin) {
+    int half = head_dim / 2, kv_dim = kv_heads * head_dim;
+    __nv_bfloat16 *row = qkv + (size_t)blockIdx.x * (heads + 2 * kv_heads) * head_dim;
+    const float *c = rope_cos + (size_t)positions[blockIdx.x] * half, *s = rope_sin + (size_t)positions[blockIdx.x] * half;
+    __nv_bfloat16 *k_out = cache_k + (size_t)cache_rows[blockIdx.x] * kv_dim;
+    __nv_bfloat16 *v_out = cache_v + (size_t)cache_rows[blockIdx.x] * kv_dim;
+    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
+        __nv_bfloat16 *head = row + (t / half) * head_dim;
+        rope_pair(head, t % half, half, c, s, head);
+    }
+    __nv_bfloat16 *k = row + heads * head_dim, *v = k + kv_dim;
+    for (int t = threadIdx.x; t < kv_heads * half; t += blockDim.x) {
+        int h = t / half;
+        rope_pair(k + h * head_dim, t % half, half, c, s, k_out + h * head_dim);
+    }
+    for (int t = threadIdx.x; t < kv_dim; t += blockDim.x) v_out[t] = v[t];
+}
+
+static __global__ void im2col_kernel(float *out, const float *images, int n, int image_size, int patch) {
+    int grid = image_size / patch, patch_dim = 3 * patch * patch;
+    size_t total = (size_t)n * grid * grid * patch_dim;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t row = i / patch_dim;
+        int e = (int)(i % patch_dim), c = e / (patch * patch), r = (e / patch) % patch, col = e % patch;
+        int image = (int)(row / (grid * grid)), at = (int)(row % (grid * grid)), py = at / grid, px = at % grid;
+        out[i] = images[(size_t)image * image_size * image_size * 3 +
+                        ((size_t)(py * patch + r) * image_size + px * patch + col) * 3 + c];
+    }
+}
+
+static __global__ void add_bias_pos_kernel(float *x, const float *bias, const float *pos, int rows, int positions,
+                                           int dim) {
+    size_t total = (size_t)rows * dim;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t row = i / dim, col = i % dim;
+        x[i] += bias[col] + pos[(row % positions) * dim + col];
+    }
+}
+
+static __global__ void assemble_prefix_kernel(float *x, const int *src, int dim, const float *vision,
+                                              const __nv_bfloat16 *embed, float scale) {
+    int from = src[blockIdx.x];
+    float *row = x + (size_t)blockIdx.x * dim;
+    if (from >= 0) {
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) row[j] = vision[(size_t)from * dim + j];
+    } else {
+        const __nv_bfloat16 *e = embed + (size_t)(-from - 1) * dim;
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) row[j] = __bfloat162float(e[j]) * scale;
+    }
+}
+
+/* One block per (row, 256 outputs); the input row (k floats) is staged in shared memory. */
+static __global__ void linear_small_k_kernel(void *out, int out_bf16, const float *in, const __nv_bfloat16 *w,
+                                             const float *bias, int k, int n, int swish) {
+    extern __shared__ float x[];
+    int row = blockIdx.y;
+    for (int j = threadIdx.x; j < k; j += blockDim.x) x[j] = in[(size_t)row * k + j];
+    __syncthreads();
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= n) return;
+    float acc = bias ? bias[col] : 0.0f;
+    const __nv_bfloat16 *wr = w + (size_t)col * k;
+    for (int j = 0; j < k; j++) acc += x[j] * __bfloat162float(wr[j]);
+    if (swish) acc = acc / (1.0f + __expf(-acc));
+    if (out_bf16) ((__nv_bfloat16 *)out)[(size_t)row * n + col] = __float2bfloat16(acc);
+    else ((float *)out)[(size_t)row * n + col] = acc;
+}
+
+static __global__ void assemble_suffix_kernel(float *suffix, const float *state, const float *actions, int horizon,
+                                              int width) {
+    int b = blockIdx.y, i = blockIdx.x; /* i = 0: state token, else action token i - 1 */
+    const float *src = i == 0 ? state + (size_t)b * width : actions + ((size_t)b * horizon + i - 1) * width;
+    float *dst = suffix + ((size_t)b * (horizon + 1) + i) * width;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) dst[j] = src[j];
+}
+
+/* Grid size for grid-stride loops: enough blocks to fill the GPU, never more than the work. */
+static unsigned grid_for(size_t n, int threads) {
+    size_t blocks = (n + threads - 1) / threads;
+    return (unsigned)(blocks < 4096 ? (blocks ? blocks : 1) : 4096);
+}
+
+extern "C" {
+
+cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim, const float *w, const float *b,
+                               float eps, cudaStream_t stream) {
+    if (rows > 0) layernorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, dim, w, b, eps);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *w,
+                             float eps, cudaStream_t stream) {
+    if (rows > 0) rmsnorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, in_rows, dim, w, eps);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_gelu_mul(pi0_bf16 *out, const pi0_bf16 *in, int rows, int mlp, cudaStream_t stream) {
+    size_t n = (size_t)rows * mlp;
+    if (n) gelu_mul_kernel<<<grid_for(n, 256), 256, 0, stream>>>(as_bf16(out), as_bf16(in), rows, mlp);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_rope_qkv(pi0_bf16 *qkv, int rows, int heads, int kv_heads, int head_dim, const int *positions,
+                              const int *cache_rows, pi0_bf16 *cache_k, pi0_bf16 *cache_v, const float *rope_cos,
+                              const float *rope_sin, cudaStream_t stream) {
+    if (rows > 0)
+        rope_qkv_kernel<<<rows, 256, 0, stream>>>(as_bf16(qkv), heads, kv_heads, head_dim, positions, cache_rows,
+                                                  as_bf16(cache_k), as_bf16(cache_v), rope_cos, rope_sin);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_im2col(float *out, const float *images, int n, int image_size, int patch, cudaStream_t stream) {
+    size_t total = (size_t)n * image_size * image_size * 3;
+    if (total) im2col_kernel<<<grid_for(total, 256), 256, 0, stream>>>(out, images, n, image_size, patch);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_add_bias_pos(float *x, const float *bias, const float *pos, int rows, int positions, int dim,
+                                  cudaStream_t stream) {
+    size_t total = (size_t)rows * dim;
+    if (total) add_bias_pos_kernel<<<grid_for(total, 256), 256, 0, stream>>>(x, bias, pos, rows, positions, dim);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim, const float *vision,
+                                     const pi0_bf16 *embed, float scale, cudaStream_t stream) {
+    if (rows > 0) assemble_prefix_kernel<<<rows, 256, 0, stream>>>(x, src, dim, vision, as_bf16(embed), scale);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
+                                    int rows, int k, int n, int swish, cudaStream_t stream) {
+    if (rows > 0) {
+        dim3 grid((unsigned)((n + 255) / 256), (unsigned)rows);
+        linear_small_k_kernel<<<grid, 256, (size_t)k * sizeof(float), stream>>>(out, out_bf16, in, as_bf16(w), bias, k,
+                                                                              n, swish);
+    }
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_assemble_suffix(float *suffix, const float *state, const float *actions, int batch, int horizon,
+                                     int width, cudaStream_t stream) {
+    if (batch > 0) assemble_suffix_kernel<<<dim3((unsigned)horizon + 1, (unsigned)batch), 256, 0, stream>>>(
+        suffix, state, actions, horizon, width);
+    return cudaGetLastError();
+}
+
+} /* extern "C" */

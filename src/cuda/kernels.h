@@ -1,0 +1,67 @@
+/*
+ * kernels.h - the CUDA backend's own kernels (everything but GEMMs and attention), as C launchers.
+ *
+ * Numerics (PI0_SPEC §2, openpi's bf16 path or better): the residual streams stay float32; norms
+ * compute their statistics in float32 and hand bfloat16 to the GEMMs; RoPE, softmax, GELU and the
+ * time MLP run in float32. Every launcher enqueues on `stream` and returns the launch error.
+ */
+#ifndef PI0_CUDA_KERNELS_H
+#define PI0_CUDA_KERNELS_H
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+#ifndef PI0_BF16_DEFINED
+#define PI0_BF16_DEFINED
+typedef uint16_t pi0_bf16; /* bfloat16 bits */
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* out (rows, dim) bf16 = LayerNorm(in) * w + b; in float32. */
+cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim, const float *w, const float *b,
+                               float eps, cudaStream_t stream);
+
+/* out row i (bf16) = RMSNorm(in row r) * (1 + w), r = in_rows ? in_rows[i] : i. */
+cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *w,
+                             float eps, cudaStream_t stream);
+
+/* out (rows, mlp) = gelu_tanh(gate) * up, where in (rows, 2 mlp) holds [gate | up] per row. */
+cudaError_t pi0_cuda_gelu_mul(pi0_bf16 *out, const pi0_bf16 *in, int rows, int mlp, cudaStream_t stream);
+
+/*
+ * RoPE on the q and k heads of fused qkv rows (rows, (heads + 2 kv_heads) * head_dim), row r at
+ * position positions[r]; q is rotated in place, k (rotated) and v are stored into cache row
+ * cache_rows[r] of cache_k / cache_v (kv_heads * head_dim each). rope_cos/rope_sin are
+ * (max_pos, head_dim / 2) tables.
+ */
+cudaError_t pi0_cuda_rope_qkv(pi0_bf16 *qkv, int rows, int heads, int kv_heads, int head_dim, const int *positions,
+                              const int *cache_rows, pi0_bf16 *cache_k, pi0_bf16 *cache_v, const float *rope_cos,
+                              const float *rope_sin, cudaStream_t stream);
+
+/* Patches of HWC images (n, S, S, 3) into rows (n * (S/p)^2, 3 p p) flattened as (channel, row, col). */
+cudaError_t pi0_cuda_im2col(float *out, const float *images, int n, int image_size, int patch, cudaStream_t stream);
+
+/* x (rows, dim) += bias + pos[row % positions]. */
+cudaError_t pi0_cuda_add_bias_pos(float *x, const float *bias, const float *pos, int rows, int positions, int dim,
+                                  cudaStream_t stream);
+
+/* Prefix row r = src[r] >= 0 ? vision[src[r]] : embed[-src[r] - 1] * scale (bf16 table). */
+cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim, const float *vision,
+                                     const pi0_bf16 *embed, float scale, cudaStream_t stream);
+
+/* out (rows, n) = act(in (rows, k) float32 . w (n, k)^T + bias): a Linear with a tiny input width
+ * (the 32 action dims). act = 1: swish. out_bf16 selects the output type. */
+cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
+                                    int rows, int k, int n, int swish, cudaStream_t stream);
+
+/* suffix (B (H+1), W): row b(H+1) = state[b], rows b(H+1)+1+i = actions[b H + i]. */
+cudaError_t pi0_cuda_assemble_suffix(float *suffix, const float *state, const float *actions, int batch, int horizon,
+                                     int width, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,169 @@
+/*
+ * weights.c - the CUDA backend's copy of the model: bf16 GEMM operands, float32 norms and biases
+ * where the output is float32, prepared once at load from the float32 host weights.
+ *
+ * Load-time rewrites (PI0_SPEC §4, exact up to rounding):
+ *  - Q|K|V and gate|up are fused into one weight each, so a block runs 4 GEMMs instead of 7.
+ *  - action_in_proj is folded into the first half of action_time_mlp_in: W_fold = W_a W_in,
+ *    so each denoise step maps the 32 action dims straight to the time MLP's hidden layer; the
+ *    time half of that layer depends only on the step and is precomputed per graph (backend.c).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/backend.h"
+#include "util/error.h"
+
+/* Round-to-nearest-even float32 -> bfloat16 bits. */
+static uint16_t to_bf16(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+void *cuda_alloc(cuda_state *s, size_t bytes, pi0_error *err) {
+    void *p = NULL;
+    if (s->num_allocations == s->max_allocations) {
+        pi0_fail(err, PI0_ERR_BACKEND, "internal: more GPU weight buffers than planned (%d)", s->max_allocations);
+        return NULL;
+    }
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        cudaGetLastError();
+        pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate %.1f MB on the GPU (%.2f GB in use)", (double)bytes / 1e6,
+                 (double)s->device_bytes / 1e9);
+        return NULL;
+    }
+    s->device_bytes += bytes;
+    if (s->device_bytes > s->peak_device_bytes) s->peak_device_bytes = s->device_bytes;
+    s->allocations[s->num_allocations++] = p;
+    return p;
+}
+
+/* Uploads the concatenation of `parts` (each rows_i x cols floats) as bf16 or float32. */
+typedef struct {
+    const float *data;
+    size_t count;
+} part;
+
+static void *upload(cuda_state *s, const part *parts, int num_parts, int bf16, pi0_error *err) {
+    size_t total = 0, at = 0, elem = bf16 ? 2 : 4;
+    for (int i = 0; i < num_parts; i++) total += parts[i].count;
+    void *host = malloc(total * elem + 1), *dev = host ? cuda_alloc(s, total * elem, err) : NULL;
+    if (!host) pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing GPU weights");
+    if (dev) {
+        for (int i = 0; i < num_parts; i++, at += parts[i - 1].count) {
+            if (bf16)
+                for (size_t j = 0; j < parts[i].count; j++) ((uint16_t *)host)[at + j] = to_bf16(parts[i].data[j]);
+            else memcpy((float *)host + at, parts[i].data, parts[i].count * sizeof(float));
+        }
+        if (cudaMemcpy(dev, host, total * elem, cudaMemcpyHostToDevice) != cudaSuccess) {
+            pi0_fail(err, PI0_ERR_BACKEND, "copying weights to the GPU failed");
+            dev = NULL;
+        }
+    }
+    free(host);
+    return dev;
+}
+
+#define UP_BF16(...) upload(s, (part[]){__VA_ARGS__}, sizeof((part[]){__VA_ARGS__}) / sizeof(part), 1, err)
+#define UP_F32(...) upload(s, (part[]){__VA_ARGS__}, sizeof((part[]){__VA_ARGS__}) / sizeof(part), 0, err)
+
+static int upload_gemma(cuda_state *s, gpu_gemma_layer *g, const gemma_layer *l, const pi0_stack_dims *d, pi0_error *err) {
+    size_t W = (size_t)d->width, q = (size_t)d->num_heads * d->head_dim * W, kv = (size_t)d->num_kv_heads * d->head_dim * W;
+    size_t mlp = (size_t)d->mlp_dim * W;
+    g->input_norm = UP_F32({l->input_norm, W});
+    g->post_norm = UP_F32({l->post_attn_norm, W});
+    g->qkv_w = UP_BF16({l->q_w, q}, {l->k_w, kv}, {l->v_w, kv});
+    g->o_w = UP_BF16({l->o_w, q});
+    g->gate_up_w = UP_BF16({l->gate_w, mlp}, {l->up_w, mlp});
+    g->down_w = UP_BF16({l->down_w, mlp});
+    return g->input_norm && g->post_norm && g->qkv_w && g->o_w && g->gate_up_w && g->down_w ? 0 : -1;
+}
+
+static int upload_vit(cuda_state *s, gpu_vit_layer *g, const vit_layer *l, const pi0_stack_dims *d, pi0_error *err) {
+    size_t W = (size_t)d->width, mlp = (size_t)d->mlp_dim;
+    g->ln1_w = UP_F32({l->ln1_w, W}), g->ln1_b = UP_F32({l->ln1_b, W});
+    g->ln2_w = UP_F32({l->ln2_w, W}), g->ln2_b = UP_F32({l->ln2_b, W});
+    g->qkv_w = UP_BF16({l->q_w, W * W}, {l->k_w, W * W}, {l->v_w, W * W});
+    g->qkv_b = UP_BF16({l->q_b, W}, {l->k_b, W}, {l->v_b, W});
+    g->o_w = UP_BF16({l->o_w, W * W}), g->o_b = UP_F32({l->o_b, W});
+    g->fc1_w = UP_BF16({l->fc1_w, mlp * W}), g->fc1_b = UP_BF16({l->fc1_b, mlp});
+    g->fc2_w = UP_BF16({l->fc2_w, W * mlp}), g->fc2_b = UP_F32({l->fc2_b, W});
+    return g->ln1_w && g->ln1_b && g->ln2_w && g->ln2_b && g->qkv_w && g->qkv_b && g->o_w && g->o_b && g->fc1_w &&
+                   g->fc1_b && g->fc2_w && g->fc2_b
+               ? 0
+               : -1;
+}
+
+/* W_fold (We, A) = W_a (We, We) . W_in (We, A), in double: the first half of action_time_mlp_in
+ * applied to action_in_proj. */
+static float *fold_time_in(const pi0_weights *w, int We, int A) {
+    float *fold = malloc((size_t)We * A * sizeof(float));
+    if (!fold) return NULL;
+    for (int i = 0; i < We; i++)
+        for (int j = 0; j < A; j++) {
+            double acc = 0;
+            for (int k = 0; k < We; k++) acc += (double)w->time_in_w[(size_t)i * 2 * We + k] * w->action_in_w[(size_t)k * A + j];
+            fold[(size_t)i * A + j] = (float)acc;
+        }
+    return fold;
+}
+
+/* RoPE tables for every position a plan may use, computed in double. */
+static int upload_rope(cuda_state *s, int head_dim, pi0_error *err) {
+    int half = head_dim / 2;
+    size_t n = (size_t)ROPE_MAX_POS * half;
+    float *c = malloc(n * sizeof(float)), *sn = malloc(n * sizeof(float));
+    if (c && sn)
+        for (int p = 0; p < ROPE_MAX_POS; p++)
+            for (int i = 0; i < half; i++) {
+                double r = p / pow(10000.0, 2.0 * i / head_dim);
+                c[(size_t)p * half + i] = (float)cos(r);
+                sn[(size_t)p * half + i] = (float)sin(r);
+            }
+    s->w.rope_cos = c ? UP_F32({c, n}) : NULL;
+    s->w.rope_sin = sn ? UP_F32({sn, n}) : NULL;
+    free(c), free(sn);
+    return s->w.rope_cos && s->w.rope_sin ? 0 : -1;
+}
+
+pi0_status cuda_weights_upload(cuda_state *s, const pi0_model *m, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    const pi0_weights *w = &m->weights;
+    gpu_weights *g = &s->w;
+    int Dv = d->vision.width, D = d->llm.width, We = d->expert.width, A = d->action_dim;
+    int P = (d->image_size / d->patch_size) * (d->image_size / d->patch_size), patch_dim = 3 * d->patch_size * d->patch_size;
+    s->max_allocations = 64 + 16 * d->vision.depth + 8 * (d->llm.depth + d->expert.depth);
+    s->allocations = calloc((size_t)s->max_allocations, sizeof(void *));
+    g->vit = calloc((size_t)d->vision.depth, sizeof *g->vit);
+    g->llm = calloc((size_t)d->llm.depth, sizeof *g->llm);
+    g->expert = calloc((size_t)d->expert.depth, sizeof *g->expert);
+    float *fold = fold_time_in(w, We, A);
+    if (!s->allocations || !g->vit || !g->llm || !g->expert || !fold) {
+        free(fold);
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing GPU weights");
+    }
+    int failed = 0;
+    g->patch_w = UP_F32({w->patch_w, (size_t)Dv * patch_dim}); /* openpi embeds patches in float32 */
+    g->patch_b = UP_F32({w->patch_b, (size_t)Dv});
+    g->pos_emb = UP_F32({w->pos_emb, (size_t)P * Dv});
+    for (int l = 0; l < d->vision.depth && !failed; l++) failed = upload_vit(s, &g->vit[l], &w->vit[l], &d->vision, err);
+    g->post_ln_w = UP_F32({w->post_ln_w, (size_t)Dv}), g->post_ln_b = UP_F32({w->post_ln_b, (size_t)Dv});
+    g->proj_w = UP_BF16({w->proj_w, (size_t)D * Dv}), g->proj_b = UP_F32({w->proj_b, (size_t)D});
+    g->embed = UP_BF16({w->embed, (size_t)d->vocab_size * D});
+    for (int l = 0; l < d->llm.depth && !failed; l++) failed = upload_gemma(s, &g->llm[l], &w->llm[l], &d->llm, err);
+    for (int l = 0; l < d->expert.depth && !failed; l++) failed = upload_gemma(s, &g->expert[l], &w->expert[l], &d->expert, err);
+    g->expert_norm = UP_F32({w->expert_norm, (size_t)We});
+    g->state_proj_w = UP_BF16({w->state_proj_w, (size_t)We * A}), g->state_proj_b = UP_F32({w->state_proj_b, (size_t)We});
+    g->time_fold_w = UP_BF16({fold, (size_t)We * A});
+    g->time_out_w = UP_BF16({w->time_out_w, (size_t)We * We}), g->time_out_b = UP_F32({w->time_out_b, (size_t)We});
+    g->action_out_w = UP_BF16({w->action_out_w, (size_t)A * We});
+    free(fold);
+    if (failed || !g->patch_w || !g->patch_b || !g->pos_emb || !g->post_ln_w || !g->post_ln_b || !g->proj_w ||
+        !g->proj_b || !g->embed || !g->expert_norm || !g->state_proj_w || !g->state_proj_b || !g->time_fold_w ||
+        !g->time_out_w || !g->time_out_b || !g->action_out_w || upload_rope(s, d->llm.head_dim, err))
+        return err ? err->status : PI0_ERR_BACKEND;
+    return PI0_OK;
+}

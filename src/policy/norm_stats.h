@@ -1,0 +1,50 @@
+/*
+ * norm_stats.h - openpi's norm_stats.json and its Normalize / Unnormalize transforms.
+ *
+ * File format (openpi/shared/normalize.py):
+ *   {"norm_stats": {"state": {"mean": [...], "std": [...], "q01": [...], "q99": [...]}, "actions": {...}}}
+ * q01/q99 may be absent (or null); keys other than "state" and "actions" are kept by name.
+ *
+ * Precision: openpi loads the stats as float64 arrays and numpy promotes the float32 vectors to float64, so
+ * every formula here runs in double on double stats and only the result is rounded to float.
+ */
+#ifndef PI0_POLICY_NORM_STATS_H
+#define PI0_POLICY_NORM_STATS_H
+
+#include "pi0.h"
+
+typedef struct {
+    char *key;
+    int dim;
+    double *mean, *std, *q01, *q99; /* dim values each; q01/q99 NULL if absent */
+} pi0_norm_entry;
+
+typedef struct {
+    pi0_norm_entry *entries;
+    int count;
+} pi0_norm_stats;
+
+/* Parses `path`. On failure *out is left empty and err names the file, the key and the problem. */
+pi0_status pi0_norm_stats_load(const char *path, pi0_norm_stats *out, pi0_error *err);
+void pi0_norm_stats_free(pi0_norm_stats *s);
+/* The entry named `key`, or NULL. */
+const pi0_norm_entry *pi0_norm_stats_find(const pi0_norm_stats *s, const char *key);
+
+typedef enum { PI0_NORM_ZSCORE, PI0_NORM_QUANTILE } pi0_norm_mode; /* Pi0: z-score; Pi0.5: quantile */
+
+/*
+ * Normalizes x[0..n) in place (transforms.Normalize): z-score (x - mean) / (std + 1e-6) or quantile
+ * (x - q01) / (q99 - q01 + 1e-6) * 2 - 1. Stats longer than n: the first n are used. Shorter stats, or
+ * quantile mode without q01/q99, are an error.
+ */
+pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, float *x, int n, pi0_error *err);
+
+/*
+ * The inverse, in place (transforms.Unnormalize): x * (std + 1e-6) + mean, or (x + 1) / 2 * (q99 - q01 + 1e-6)
+ * + q01. Like openpi, a vector longer than the stats is allowed (the model's padded action_dim against the
+ * robot's stats): z-score treats the missing stats as mean 0, std 1 (x * (1 + 1e-6)); quantile mode leaves
+ * those values unchanged. Stats longer than n: the first n are used.
+ */
+pi0_status pi0_unnormalize(const pi0_norm_entry *e, pi0_norm_mode mode, float *x, int n, pi0_error *err);
+
+#endif

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Cross-checks against the reference libraries from PyPI: the C tokenizer against sentencepiece on
+# thousands of random strings, and image resizing against Pillow bit for bit. Needs the tools built
+# by `make test` ($PI0_TOOLS, default build/tests) and `make deps` for the Python packages.
+set -u
+tools=${PI0_TOOLS:-build/tests}
+fixtures=${PI0_FIXTURES:-../shared/fixtures}
+passed=0; failed=0
+check() {
+    local name=$1; shift
+    if out=$("$@" 2>&1); then passed=$((passed + 1)); echo "ok   $name: $(printf '%s\n' "$out" | tail -n 1)"
+    else failed=$((failed + 1)); echo "FAIL $name"; printf '%s\n' "$out" | tail -n 20; fi
+}
+check tokenizer_vs_sentencepiece python3 tests/tokenizer_vs_sentencepiece.py "$tools/tokenize_tool" "$fixtures/tokenizer/tok.model"
+check image_vs_pillow python3 tests/image_vs_pillow.py "$tools/image_tool"
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,269 @@
+/*
+ * test_cuda_model.c - the CUDA backend end to end: every fixture at the bf16 tolerance (1e-2 vs
+ * openpi's fp32 actions), ragged batches against the CPU oracle, graph replay equal to the eager
+ * run, repeated replays identical, several shapes alternating through the graph cache, and the
+ * real-size model on random weights within 2e-2 of the CPU backend.
+ */
+#include "cuda/backend.h"
+#include "gpu_check.h"
+#include "io/safetensors.h"
+#include "pi0.h"
+
+#define TOL_BF16 1e-2
+#define TOL_FULL_SIZE 2e-2
+
+static const char *cameras[3] = {"base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"};
+
+typedef struct {
+    st_file io;
+    float *images[3], *state, *noise;
+    const float *image_ptrs[3];
+    uint8_t masks[3 * 64], *prompt_mask;
+    int32_t *prompt_ids;
+    pi0_batch batch;
+} fixture_io;
+
+static float *f32_of(const st_tensor *t) {
+    float *out = malloc(t->numel * sizeof(float));
+    st_to_f32(t, out);
+    return out;
+}
+
+static int io_open(fixture_io *f, const char *name) {
+    char path[1024];
+    pi0_error err = {0};
+    memset(f, 0, sizeof *f);
+    snprintf(path, sizeof path, "%s/%s/io.safetensors", fixtures_dir(), name);
+    if (st_open(path, &f->io, &err)) return fprintf(stderr, "  %s\n", err.message), -1;
+    const st_tensor *ids = st_find(&f->io, "tokenized_prompt"), *noise = st_find(&f->io, "noise");
+    int B = (int)noise->shape[0];
+    for (int c = 0; c < 3; c++) {
+        char key[64];
+        snprintf(key, sizeof key, "image/%s", cameras[c]);
+        f->image_ptrs[c] = f->images[c] = f32_of(st_find(&f->io, key));
+        snprintf(key, sizeof key, "image_mask/%s", cameras[c]);
+        for (int b = 0; b < B; b++) f->masks[b * 3 + c] = ((const uint8_t *)st_find(&f->io, key)->data)[b];
+    }
+    f->state = f32_of(st_find(&f->io, "state"));
+    f->noise = f32_of(noise);
+    f->prompt_ids = malloc(ids->nbytes);
+    memcpy(f->prompt_ids, ids->data, ids->nbytes);
+    f->prompt_mask = malloc(ids->numel);
+    memcpy(f->prompt_mask, st_find(&f->io, "tokenized_prompt_mask")->data, ids->numel);
+    f->batch = (pi0_batch){.batch = B, .num_cameras = 3, .images = f->image_ptrs, .image_masks = f->masks,
+                           .prompt_len = (int)ids->shape[1], .prompt_ids = f->prompt_ids, .prompt_mask = f->prompt_mask,
+                           .state = f->state, .horizon = (int)noise->shape[1], .noise = f->noise};
+    return 0;
+}
+
+static void io_close(fixture_io *f) {
+    for (int c = 0; c < 3; c++) free(f->images[c]);
+    free(f->state), free(f->noise), free(f->prompt_ids), free(f->prompt_mask);
+    st_close(&f->io);
+}
+
+static pi0_model *load(const char *name, pi0_backend backend) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", fixtures_dir(), name);
+    pi0_options opts = {.backend = backend};
+    pi0_model *m = NULL;
+    pi0_error err = {0};
+    if (pi0_model_load(path, &opts, &m, &err)) fprintf(stderr, "  load %s: %s\n", path, err.message);
+    return m;
+}
+
+static size_t actions_len(const pi0_batch *b) {
+    return (size_t)b->batch * b->horizon * 32;
+}
+
+static void fixture_case(const char *name) {
+    fixture_io f;
+    REQUIRE(io_open(&f, name) == 0);
+    pi0_model *m = load(name, PI0_BACKEND_CUDA);
+    REQUIRE(m && pi0_model_backend(m) == PI0_BACKEND_CUDA);
+    const struct { int steps; const char *key; } cases[] = {{10, "actions"}, {3, "actions_3step"}, {1, "actions_1step"}};
+    size_t n = actions_len(&f.batch);
+    float *got = malloc(n * sizeof(float));
+    for (int i = 0; i < 3; i++) {
+        pi0_error err = {0};
+        f.batch.num_steps = cases[i].steps;
+        /* twice: the first call runs eagerly, the second replays the captured graph */
+        for (int run = 0; run < 2; run++) {
+            REQUIRE(pi0_sample_actions(m, &f.batch, got, NULL, &err) == PI0_OK, "%s", err.message);
+            float *ref = f32_of(st_find(&f.io, cases[i].key));
+            double e = rel_error(got, ref, n), worst = 0;
+            size_t per = n / f.batch.batch;
+            for (int b = 0; b < f.batch.batch; b++) worst = fmax(worst, rel_error(got + b * per, ref + b * per, per));
+            fprintf(stderr, "  %s %s (%s): rel error %.3g, worst sample %.3g\n", name, cases[i].key, run ? "graph" : "eager",
+                    e, worst);
+            CHECK(worst <= TOL_BF16, "%s %s: %.3g > %g", name, cases[i].key, worst, TOL_BF16);
+            free(ref);
+        }
+    }
+    free(got);
+    pi0_model_free(m);
+    io_close(&f);
+}
+
+TEST(fixture_pi0_tiny) { fixture_case("pi0_tiny"); }
+TEST(fixture_pi0_tiny_h50) { fixture_case("pi0_tiny_h50"); }
+
+/* A B = 5 batch with every mask pattern and prompt length, against the CPU backend per sample. */
+TEST(ragged_batch_matches_cpu) {
+    fixture_io f;
+    REQUIRE(io_open(&f, "pi0_tiny") == 0);
+    pi0_model *gpu = load("pi0_tiny", PI0_BACKEND_CUDA), *cpu = load("pi0_tiny", PI0_BACKEND_CPU);
+    REQUIRE(gpu && cpu);
+    enum { B = 5, S = 16 };
+    size_t image = 224 * 224 * 3;
+    float *imgs[3];
+    const float *ptrs[3];
+    uint8_t masks[B * 3] = {1, 1, 1, 0, 1, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0};
+    int32_t ids[B * S];
+    uint8_t id_mask[B * S];
+    float state[B * 32], noise[B * 10 * 32];
+    for (int c = 0; c < 3; c++) {
+        ptrs[c] = imgs[c] = malloc(B * image * sizeof(float));
+        fill_uniform(imgs[c], B * image, 1.0f);
+    }
+    for (int i = 0; i < B * S; i++) ids[i] = (int32_t)((gpu_uniform() + 1) * 255.9f), id_mask[i] = (i % S) < 3 + 3 * (i / S);
+    fill_uniform(state, B * 32, 1.0f), fill_uniform(noise, B * 10 * 32, 1.5f);
+    pi0_batch batch = {.batch = B, .num_cameras = 3, .images = ptrs, .image_masks = masks, .prompt_len = S,
+                       .prompt_ids = ids, .prompt_mask = id_mask, .state = state, .horizon = 10, .noise = noise,
+                       .num_steps = 10};
+    float a_gpu[B * 10 * 32], a_cpu[B * 10 * 32];
+    pi0_error err = {0};
+    REQUIRE(pi0_sample_actions(gpu, &batch, a_gpu, NULL, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_sample_actions(cpu, &batch, a_cpu, NULL, &err) == PI0_OK, "%s", err.message);
+    for (int b = 0; b < B; b++) {
+        double e = rel_error(a_gpu + b * 320, a_cpu + b * 320, 320);
+        CHECK(e <= TOL_BF16, "sample %d (cameras %d%d%d, %d tokens): %.3g", b, masks[3 * b], masks[3 * b + 1],
+              masks[3 * b + 2], 3 + 3 * b, e);
+    }
+    for (int c = 0; c < 3; c++) free(imgs[c]);
+    pi0_model_free(gpu), pi0_model_free(cpu);
+    io_close(&f);
+}
+
+/* Eager (no graph), first graph call (eager, then capture), replays: all bitwise identical. */
+TEST(graph_replay_equals_eager_and_repeats) {
+    fixture_io f;
+    REQUIRE(io_open(&f, "pi0_tiny") == 0);
+    pi0_model *m = load("pi0_tiny", PI0_BACKEND_CUDA);
+    REQUIRE(m);
+    size_t n = actions_len(&f.batch);
+    float *eager = malloc(n * 4), *replay = malloc(n * 4);
+    pi0_error err = {0};
+    f.batch.num_steps = 10;
+    pi0_cuda_set_graphs(m, 0);
+    REQUIRE(pi0_sample_actions(m, &f.batch, eager, NULL, &err) == PI0_OK, "%s", err.message);
+    pi0_cuda_set_graphs(m, 1);
+    for (int i = 0; i < 6; i++) {
+        REQUIRE(pi0_sample_actions(m, &f.batch, replay, NULL, &err) == PI0_OK, "%s", err.message);
+        CHECK(memcmp(eager, replay, n * 4) == 0, "call %d differs from the eager run (rel %.3g)", i, rel_error(replay, eager, n));
+    }
+    /* other inputs through the same graph: the graph reads the new inputs, not the captured ones */
+    for (size_t i = 0; i < n; i++) f.noise[i] = -f.noise[i];
+    pi0_cuda_set_graphs(m, 0);
+    REQUIRE(pi0_sample_actions(m, &f.batch, eager, NULL, &err) == PI0_OK);
+    pi0_cuda_set_graphs(m, 1);
+    REQUIRE(pi0_sample_actions(m, &f.batch, replay, NULL, &err) == PI0_OK);
+    CHECK(memcmp(eager, replay, n * 4) == 0, "replay with new inputs differs from eager");
+    free(eager), free(replay);
+    pi0_model_free(m);
+    io_close(&f);
+}
+
+/* More shapes than the cache holds, alternating: each result stays what it was the first time. */
+TEST(graph_cache_many_shapes) {
+    fixture_io f;
+    REQUIRE(io_open(&f, "pi0_tiny") == 0);
+    pi0_model *m = load("pi0_tiny", PI0_BACKEND_CUDA);
+    REQUIRE(m);
+    enum { SHAPES = MAX_GRAPHS + 3 };
+    float *first[SHAPES];
+    pi0_error err = {0};
+    for (int round = 0; round < 2; round++)
+        for (int sh = 0; sh < SHAPES; sh++) {
+            pi0_batch b = f.batch;
+            b.num_steps = 1 + sh; /* each step count is its own graph */
+            float *out = malloc(actions_len(&b) * 4);
+            REQUIRE(pi0_sample_actions(m, &b, out, NULL, &err) == PI0_OK, "%s", err.message);
+            if (round == 0) first[sh] = out;
+            else {
+                CHECK(memcmp(first[sh], out, actions_len(&b) * 4) == 0, "shape %d changed on its second visit", sh);
+                free(out);
+                free(first[sh]);
+            }
+        }
+    pi0_model_free(m);
+    io_close(&f);
+}
+
+TEST(bad_input_on_cuda) {
+    fixture_io f;
+    REQUIRE(io_open(&f, "pi0_tiny") == 0);
+    pi0_model *m = load("pi0_tiny", PI0_BACKEND_CUDA);
+    REQUIRE(m);
+    float out[2 * 10 * 32];
+    pi0_error err = {0};
+    f.prompt_ids[0] = 99999;
+    CHECK(pi0_sample_actions(m, &f.batch, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT && strstr(err.message, "99999"));
+    f.prompt_ids[0] = 3;
+    CHECK(pi0_sample_actions(m, &f.batch, out, NULL, &err) == PI0_OK, "%s", err.message);
+    pi0_model_free(m);
+    io_close(&f);
+}
+
+/* The real size: the same random weights on both backends, actions within 2e-2. */
+TEST(full_size_cuda_vs_cpu) {
+    pi0_dims dims = pi0_dims_pi0();
+    pi0_options gpu_opts = {.backend = PI0_BACKEND_CUDA}, cpu_opts = {.backend = PI0_BACKEND_CPU};
+    pi0_model *gpu = NULL, *cpu = NULL;
+    pi0_error err = {0};
+    REQUIRE(pi0_model_random(&dims, 5, &gpu_opts, &gpu, &err) == PI0_OK, "%s", err.message);
+    fprintf(stderr, "  gpu memory after load: %.2f GB\n", pi0_model_device_memory(gpu) / 1e9);
+    enum { B = 2, H = 10 };
+    size_t image = 224 * 224 * 3;
+    float *imgs[3];
+    const float *ptrs[3];
+    uint8_t masks[B * 3] = {1, 1, 0, 1, 1, 1};
+    int32_t ids[B * 20];
+    uint8_t id_mask[B * 20];
+    float state[B * 32], noise[B * H * 32], a_gpu[B * H * 32], a_cpu[B * H * 32];
+    for (int c = 0; c < 3; c++) {
+        ptrs[c] = imgs[c] = malloc(B * image * sizeof(float));
+        fill_uniform(imgs[c], B * image, 1.0f);
+    }
+    for (int i = 0; i < B * 20; i++) ids[i] = (int32_t)((gpu_uniform() + 1) * 128000), id_mask[i] = i < 20 || i % 20 < 12;
+    fill_uniform(state, B * 32, 1.0f), fill_uniform(noise, B * H * 32, 1.5f);
+    pi0_batch batch = {.batch = B, .num_cameras = 3, .images = ptrs, .image_masks = masks, .prompt_len = 20,
+                       .prompt_ids = ids, .prompt_mask = id_mask, .state = state, .horizon = H, .noise = noise,
+                       .num_steps = 10};
+    pi0_timings t;
+    REQUIRE(pi0_sample_actions(gpu, &batch, a_gpu, &t, &err) == PI0_OK, "%s", err.message);
+    pi0_model_free(gpu);
+    REQUIRE(pi0_model_random(&dims, 5, &cpu_opts, &cpu, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_sample_actions(cpu, &batch, a_cpu, &t, &err) == PI0_OK, "%s", err.message);
+    fprintf(stderr, "  cpu: %.0f ms\n", t.total_ms);
+    for (int b = 0; b < B; b++) {
+        double e = rel_error(a_gpu + b * H * 32, a_cpu + b * H * 32, H * 32);
+        fprintf(stderr, "  sample %d: cuda vs cpu rel error %.3g\n", b, e);
+        CHECK(e <= TOL_FULL_SIZE, "sample %d: %.3g > %g", b, e, TOL_FULL_SIZE);
+    }
+    for (int c = 0; c < 3; c++) free(imgs[c]);
+    pi0_model_free(cpu);
+}
+
+int main(int argc, char **argv) {
+    check_init(argc, argv);
+    gpu_seed();
+    RUN(fixture_pi0_tiny);
+    RUN(fixture_pi0_tiny_h50);
+    RUN(ragged_batch_matches_cpu);
+    RUN(graph_replay_equals_eager_and_repeats);
+    RUN(graph_cache_many_shapes);
+    RUN(bad_input_on_cuda);
+    RUN(full_size_cuda_vs_cpu);
+    return check_finish();
+}

@@ -1,0 +1,299 @@
+/*
+ * test_kernels.c - every CUDA kernel of src/cuda/kernels.cu and the cuBLASLt GEMM wrapper against
+ * the float32 CPU oracle (src/cpu/ops.c or a plain loop), on fresh random inputs at awkward sizes.
+ * Inputs are rounded to bf16 where the GPU reads bf16, so both sides see the same numbers; the
+ * remaining difference is the GPU's bf16 output rounding (~4e-3 relative).
+ */
+#include "cpu/ops.h"
+#include "cuda/gemm.h"
+#include "cuda/kernels.h"
+#include "gpu_check.h"
+
+#define TOL_BF16_OUT 1e-2
+
+TEST(layernorm_matches_cpu) {
+    const int shapes[][2] = {{1, 64}, {7, 1152}, {513, 1000}, {3, 33}};
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        int rows = shapes[c][0], dim = shapes[c][1];
+        size_t n = (size_t)rows * dim;
+        float *x = malloc(n * 4), *w = malloc(dim * 4), *b = malloc(dim * 4), *ref = malloc(n * 4);
+        fill_uniform(x, n, 3.0f), fill_uniform(w, dim, 1.0f), fill_uniform(b, dim, 0.5f);
+        for (size_t i = 0; i < n; i++) x[i] += 0.7f; /* a non-zero mean */
+        cpu_layernorm(ref, x, rows, dim, w, b, 1e-6f);
+        float *dx = dev_upload(x, n * 4), *dw = dev_upload(w, dim * 4), *db = dev_upload(b, dim * 4);
+        pi0_bf16 *dout = dev_poisoned(n * 2);
+        CUDA_OK(pi0_cuda_layernorm(dout, dx, rows, dim, dw, db, 1e-6f, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        float *got = download_bf16(dout, n);
+        double e = rel_error(got, ref, n);
+        CHECK(e <= TOL_BF16_OUT, "layernorm %dx%d: %.3g", rows, dim, e);
+        free(x), free(w), free(b), free(ref), free(got);
+        cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dout);
+    }
+}
+
+TEST(rmsnorm_matches_cpu_with_row_map) {
+    int rows = 37, dim = 1024, out_rows = 20;
+    size_t n = (size_t)rows * dim;
+    float *x = malloc(n * 4), *w = malloc(dim * 4), *ref = malloc((size_t)out_rows * dim * 4);
+    int map[20];
+    fill_uniform(x, n, 5.0f), fill_uniform(w, dim, 0.3f);
+    for (int i = 0; i < out_rows; i++) {
+        map[i] = (i * 7 + 3) % rows;
+        cpu_rmsnorm(ref + (size_t)i * dim, x + (size_t)map[i] * dim, 1, dim, w, 1e-6f);
+    }
+    float *dx = dev_upload(x, n * 4), *dw = dev_upload(w, dim * 4);
+    int *dmap = dev_upload(map, sizeof map);
+    pi0_bf16 *dout = dev_poisoned((size_t)out_rows * dim * 2);
+    CUDA_OK(pi0_cuda_rmsnorm(dout, dx, dmap, out_rows, dim, dw, 1e-6f, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got = download_bf16(dout, (size_t)out_rows * dim);
+    CHECK(rel_error(got, ref, (size_t)out_rows * dim) <= TOL_BF16_OUT, "mapped rmsnorm: %.3g",
+          rel_error(got, ref, (size_t)out_rows * dim));
+    /* identity map (NULL) over all rows */
+    float *ref_all = malloc(n * 4);
+    cpu_rmsnorm(ref_all, x, rows, dim, w, 1e-6f);
+    pi0_bf16 *dall = dev_poisoned(n * 2);
+    CUDA_OK(pi0_cuda_rmsnorm(dall, dx, NULL, rows, dim, dw, 1e-6f, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got_all = download_bf16(dall, n);
+    CHECK(rel_error(got_all, ref_all, n) <= TOL_BF16_OUT, "rmsnorm: %.3g", rel_error(got_all, ref_all, n));
+    free(x), free(w), free(ref), free(got), free(ref_all), free(got_all);
+    cudaFree(dx), cudaFree(dw), cudaFree(dmap), cudaFree(dout), cudaFree(dall);
+}
+
+TEST(gelu_mul_matches_cpu) {
+    int rows = 19, mlp = 4097;
+    size_t n = (size_t)rows * 2 * mlp;
+    float *in = malloc(n * 4), *gate = malloc((size_t)rows * mlp * 4), *up = malloc((size_t)rows * mlp * 4);
+    fill_uniform(in, n, 4.0f);
+    uint16_t *bits = to_bf16_rounding(in, n);
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < mlp; j++) {
+            gate[(size_t)r * mlp + j] = in[(size_t)r * 2 * mlp + j];
+            up[(size_t)r * mlp + j] = in[(size_t)r * 2 * mlp + mlp + j];
+        }
+    cpu_gelu_mul(gate, up, (size_t)rows * mlp);
+    pi0_bf16 *din = dev_upload(bits, n * 2), *dout = dev_poisoned((size_t)rows * mlp * 2);
+    CUDA_OK(pi0_cuda_gelu_mul(dout, din, rows, mlp, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got = download_bf16(dout, (size_t)rows * mlp);
+    CHECK(rel_error(got, gate, (size_t)rows * mlp) <= TOL_BF16_OUT, "gelu_mul: %.3g", rel_error(got, gate, (size_t)rows * mlp));
+    free(in), free(gate), free(up), free(bits), free(got);
+    cudaFree(din), cudaFree(dout);
+}
+
+static void rope_case(int rows, int heads, int kv_heads, int hd) {
+    int qkv_dim = (heads + 2 * kv_heads) * hd, kv_dim = kv_heads * hd, max_pos = 900, cache_rows = rows + 5;
+    size_t n = (size_t)rows * qkv_dim;
+    float *qkv = malloc(n * 4);
+    int *pos = malloc(rows * sizeof(int)), *cache_row = malloc(rows * sizeof(int));
+    fill_uniform(qkv, n, 2.0f);
+    uint16_t *bits = to_bf16_rounding(qkv, n);
+    for (int r = 0; r < rows; r++) /* scattered positions; distinct cache rows, shifted as in a batch */
+        pos[r] = (r * 37 + 11) % max_pos, cache_row[r] = (r + 2) % cache_rows;
+    cpu_rope_table table;
+    REQUIRE(cpu_rope_table_init(&table, max_pos, hd) == 0);
+    /* oracle: rotate q and k of each row on the CPU */
+    float *ref = malloc(n * 4);
+    memcpy(ref, qkv, n * 4);
+    for (int r = 0; r < rows; r++) {
+        cpu_rope(ref + (size_t)r * qkv_dim, 1, qkv_dim, heads, hd, &pos[r], &table);
+        cpu_rope(ref + (size_t)r * qkv_dim + heads * hd, 1, qkv_dim, kv_heads, hd, &pos[r], &table);
+    }
+    pi0_bf16 *dqkv = dev_upload(bits, n * 2), *dk = dev_poisoned((size_t)cache_rows * kv_dim * 2),
+             *dv = dev_poisoned((size_t)cache_rows * kv_dim * 2);
+    int *dpos = dev_upload(pos, rows * sizeof(int)), *drow = dev_upload(cache_row, rows * sizeof(int));
+    float *dcos = dev_upload(table.cos, (size_t)max_pos * hd / 2 * 4), *dsin = dev_upload(table.sin, (size_t)max_pos * hd / 2 * 4);
+    CUDA_OK(pi0_cuda_rope_qkv(dqkv, rows, heads, kv_heads, hd, dpos, drow, dk, dv, dcos, dsin, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got = download_bf16(dqkv, n), *k = download_bf16(dk, (size_t)cache_rows * kv_dim),
+          *v = download_bf16(dv, (size_t)cache_rows * kv_dim);
+    double eq = 0, ek = 0, ev = 0;
+    for (int r = 0; r < rows; r++) {
+        const float *want = ref + (size_t)r * qkv_dim;
+        eq = fmax(eq, rel_error(got + (size_t)r * qkv_dim, want, (size_t)heads * hd));
+        ek = fmax(ek, rel_error(k + (size_t)cache_row[r] * kv_dim, want + heads * hd, kv_dim));
+        ev = fmax(ev, rel_error(v + (size_t)cache_row[r] * kv_dim, qkv + (size_t)r * qkv_dim + heads * hd + kv_dim, kv_dim));
+    }
+    CHECK(eq <= TOL_BF16_OUT && ek <= TOL_BF16_OUT && ev == 0, "rope %d rows %d/%d heads hd %d: q %.3g k %.3g v %.3g", rows,
+          heads, kv_heads, hd, eq, ek, ev);
+    free(qkv), free(pos), free(cache_row), free(bits), free(ref), free(got), free(k), free(v);
+    cpu_rope_table_free(&table);
+    cudaFree(dqkv), cudaFree(dk), cudaFree(dv), cudaFree(dpos), cudaFree(drow), cudaFree(dcos), cudaFree(dsin);
+}
+
+TEST(rope_qkv_matches_cpu) {
+    rope_case(1, 8, 1, 256);
+    rope_case(33, 8, 1, 256);
+    rope_case(7, 4, 2, 32);
+}
+
+TEST(im2col_and_bias_pos) {
+    int n = 3, S = 42, p = 14, grid = S / p, P = grid * grid, patch_dim = 3 * p * p, dim = 5;
+    size_t image = (size_t)S * S * 3;
+    float *images = malloc(n * image * 4);
+    fill_uniform(images, n * image, 1.0f);
+    float *dimg = dev_upload(images, n * image * 4), *dout = dev_poisoned((size_t)n * P * patch_dim * 4);
+    CUDA_OK(pi0_cuda_im2col(dout, dimg, n, S, p, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got = download_f32(dout, (size_t)n * P * patch_dim);
+    int mismatches = 0;
+    for (int i = 0; i < n; i++)
+        for (int py = 0; py < grid; py++)
+            for (int px = 0; px < grid; px++)
+                for (int c = 0; c < 3; c++)
+                    for (int r = 0; r < p; r++)
+                        for (int col = 0; col < p; col++) {
+                            float want = images[i * image + ((size_t)(py * p + r) * S + px * p + col) * 3 + c];
+                            size_t at = ((size_t)i * P + py * grid + px) * patch_dim + (c * p + r) * p + col;
+                            mismatches += got[at] != want;
+                        }
+    CHECK(mismatches == 0, "im2col: %d mismatches", mismatches);
+    /* x += bias + pos[row % P] */
+    size_t rows = (size_t)n * P;
+    float *x = malloc(rows * dim * 4), *bias = malloc(dim * 4), *pos = malloc((size_t)P * dim * 4);
+    fill_uniform(x, rows * dim, 1.0f), fill_uniform(bias, dim, 1.0f), fill_uniform(pos, (size_t)P * dim, 1.0f);
+    float *dx = dev_upload(x, rows * dim * 4), *dbias = dev_upload(bias, dim * 4), *dpos = dev_upload(pos, (size_t)P * dim * 4);
+    CUDA_OK(pi0_cuda_add_bias_pos(dx, dbias, dpos, (int)rows, P, dim, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *gx = download_f32(dx, rows * dim);
+    mismatches = 0;
+    for (size_t r = 0; r < rows; r++)
+        for (int j = 0; j < dim; j++) mismatches += gx[r * dim + j] != x[r * dim + j] + bias[j] + pos[(r % P) * dim + j];
+    CHECK(mismatches == 0, "add_bias_pos: %d mismatches", mismatches);
+    free(images), free(got), free(x), free(bias), free(pos), free(gx);
+    cudaFree(dimg), cudaFree(dout), cudaFree(dx), cudaFree(dbias), cudaFree(dpos);
+}
+
+TEST(assemble_prefix_and_suffix) {
+    int rows = 9, dim = 70, vocab = 13;
+    float *vision = malloc(4 * dim * 4), *embed = malloc((size_t)vocab * dim * 4);
+    fill_uniform(vision, 4 * dim, 1.0f), fill_uniform(embed, (size_t)vocab * dim, 1.0f);
+    uint16_t *embed_bits = to_bf16_rounding(embed, (size_t)vocab * dim);
+    int src[9] = {0, 1, -1, -13, 3, 2, -5, -1, 0};
+    float *dvision = dev_upload(vision, 4 * dim * 4), *dx = dev_poisoned((size_t)rows * dim * 4);
+    pi0_bf16 *dembed = dev_upload(embed_bits, (size_t)vocab * dim * 2);
+    int *dsrc = dev_upload(src, sizeof src);
+    CUDA_OK(pi0_cuda_assemble_prefix(dx, dsrc, rows, dim, dvision, dembed, 8.0f, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *x = download_f32(dx, (size_t)rows * dim);
+    int bad = 0;
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < dim; j++) {
+            float want = src[r] >= 0 ? vision[src[r] * dim + j] : embed[(-src[r] - 1) * dim + j] * 8.0f;
+            bad += x[r * dim + j] != want;
+        }
+    CHECK(bad == 0, "assemble_prefix: %d mismatches", bad);
+    /* suffix: [state, actions...] per sample */
+    int B = 3, H = 4, W = 33;
+    float *state = malloc(B * W * 4), *act = malloc((size_t)B * H * W * 4);
+    fill_uniform(state, B * W, 1.0f), fill_uniform(act, (size_t)B * H * W, 1.0f);
+    float *dstate = dev_upload(state, B * W * 4), *dact = dev_upload(act, (size_t)B * H * W * 4);
+    float *dsuffix = dev_poisoned((size_t)B * (H + 1) * W * 4);
+    CUDA_OK(pi0_cuda_assemble_suffix(dsuffix, dstate, dact, B, H, W, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *suffix = download_f32(dsuffix, (size_t)B * (H + 1) * W);
+    bad = 0;
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i <= H; i++)
+            for (int j = 0; j < W; j++) {
+                float want = i == 0 ? state[b * W + j] : act[((size_t)b * H + i - 1) * W + j];
+                bad += suffix[((size_t)b * (H + 1) + i) * W + j] != want;
+            }
+    CHECK(bad == 0, "assemble_suffix: %d mismatches", bad);
+    free(vision), free(embed), free(embed_bits), free(x), free(state), free(act), free(suffix);
+    cudaFree(dvision), cudaFree(dx), cudaFree(dembed), cudaFree(dsrc), cudaFree(dstate), cudaFree(dact), cudaFree(dsuffix);
+}
+
+TEST(linear_small_k_matches_cpu) {
+    int rows = 23, k = 32, n = 1030;
+    float *x = malloc(rows * k * 4), *w = malloc((size_t)n * k * 4), *b = malloc(n * 4), *ref = malloc((size_t)rows * n * 4);
+    fill_uniform(x, rows * k, 1.0f), fill_uniform(w, (size_t)n * k, 0.3f), fill_uniform(b, n, 0.5f);
+    uint16_t *wbits = to_bf16_rounding(w, (size_t)n * k);
+    float *dx = dev_upload(x, rows * k * 4), *db = dev_upload(b, n * 4);
+    pi0_bf16 *dw = dev_upload(wbits, (size_t)n * k * 2);
+    for (int swish = 0; swish <= 1; swish++) {
+        cpu_linear(ref, x, rows, k, w, b, n);
+        if (swish) cpu_swish_inplace(ref, (size_t)rows * n);
+        float *df = dev_poisoned((size_t)rows * n * 4);
+        pi0_bf16 *dh = dev_poisoned((size_t)rows * n * 2);
+        CUDA_OK(pi0_cuda_linear_small_k(df, 0, dx, dw, db, rows, k, n, swish, 0));
+        CUDA_OK(pi0_cuda_linear_small_k(dh, 1, dx, dw, db, rows, k, n, swish, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        float *gf = download_f32(df, (size_t)rows * n), *gh = download_bf16(dh, (size_t)rows * n);
+        CHECK(rel_error(gf, ref, (size_t)rows * n) <= 1e-5, "f32 out, swish %d: %.3g", swish, rel_error(gf, ref, (size_t)rows * n));
+        CHECK(rel_error(gh, ref, (size_t)rows * n) <= TOL_BF16_OUT, "bf16 out, swish %d", swish);
+        free(gf), free(gh);
+        cudaFree(df), cudaFree(dh);
+    }
+    free(x), free(w), free(b), free(ref), free(wbits);
+    cudaFree(dx), cudaFree(db), cudaFree(dw);
+}
+
+/* cuBLASLt: every flavour the backend uses, against a double-precision loop on the same operands. */
+static void gemm_case(gemm_context *ctx, int m, int n, int k, int bias, int gelu, int out_f32, float alpha, float beta,
+                      int f32_inputs) {
+    float *x = malloc((size_t)m * k * 4), *w = malloc((size_t)n * k * 4), *b = malloc(n * 4), *c = malloc((size_t)m * n * 4);
+    fill_uniform(x, (size_t)m * k, 1.0f), fill_uniform(w, (size_t)n * k, 1.0f / sqrtf((float)k));
+    fill_uniform(b, n, 0.5f), fill_uniform(c, (size_t)m * n, 1.0f);
+    uint16_t *xb = f32_inputs ? NULL : to_bf16_rounding(x, (size_t)m * k), *wb = f32_inputs ? NULL : to_bf16_rounding(w, (size_t)n * k);
+    uint16_t *bb = out_f32 ? NULL : to_bf16_rounding(b, n), *cb = out_f32 ? NULL : to_bf16_rounding(c, (size_t)m * n);
+    float *ref = malloc((size_t)m * n * 4);
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            double acc = 0;
+            for (int t = 0; t < k; t++) acc += (double)x[(size_t)i * k + t] * w[(size_t)j * k + t];
+            acc = alpha * acc + beta * c[(size_t)i * n + j] + (bias ? b[j] : 0);
+            ref[(size_t)i * n + j] = gelu ? cpu_gelu_tanh((float)acc) : (float)acc;
+        }
+    size_t in_elem = f32_inputs ? 4 : 2, out_elem = out_f32 ? 4 : 2;
+    void *dx = dev_upload(f32_inputs ? (void *)x : (void *)xb, (size_t)m * k * in_elem);
+    void *dw = dev_upload(f32_inputs ? (void *)w : (void *)wb, (size_t)n * k * in_elem);
+    void *db = dev_upload(out_f32 ? (void *)b : (void *)bb, n * out_elem);
+    void *dout = dev_upload(out_f32 ? (void *)c : (void *)cb, (size_t)m * n * out_elem);
+    pi0_error err = {0};
+    gemm_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .out = dout, .bias = bias ? db : NULL, .out_f32 = out_f32,
+                   .gelu = gelu, .f32_inputs = f32_inputs, .alpha = alpha, .beta = beta};
+    CHECK(gemm_run(ctx, &a, 0, &err) == PI0_OK, "%s", err.message);
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got = out_f32 ? download_f32(dout, (size_t)m * n) : download_bf16(dout, (size_t)m * n);
+    double e = rel_error(got, ref, (size_t)m * n), tol = out_f32 ? (f32_inputs ? 1e-5 : 1e-4) : TOL_BF16_OUT;
+    CHECK(e <= tol, "gemm m %d n %d k %d bias %d gelu %d f32out %d alpha %g beta %g f32in %d: %.3g", m, n, k, bias, gelu,
+          out_f32, alpha, beta, f32_inputs, e);
+    free(x), free(w), free(b), free(c), free(xb), free(wb), free(bb), free(cb), free(ref), free(got);
+    cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dout);
+}
+
+TEST(gemm_matches_cpu) {
+    gemm_context ctx;
+    pi0_error err = {0};
+    REQUIRE(gemm_init(&ctx, &err) == PI0_OK, "%s", err.message);
+    gemm_case(&ctx, 1, 32, 48, 0, 0, 0, 1, 0, 0);
+    gemm_case(&ctx, 11, 2560, 1024, 0, 0, 0, 1, 0, 0);          /* expert QKV */
+    gemm_case(&ctx, 257, 1000, 72, 1, 0, 0, 1, 0, 0);           /* bias, bf16 out */
+    gemm_case(&ctx, 129, 4304, 1152, 1, 1, 0, 1, 0, 0);         /* ViT fc1: bias + gelu */
+    gemm_case(&ctx, 531, 2048, 2048, 0, 0, 1, 1, 1, 0);         /* residual accumulate */
+    gemm_case(&ctx, 33, 1152, 1152, 1, 0, 1, 1, 1, 0);          /* accumulate + f32 bias */
+    gemm_case(&ctx, 50, 32, 1024, 1, 0, 1, -0.1f, 1, 0);        /* the fused Euler step */
+    gemm_case(&ctx, 512, 1152, 588, 0, 0, 1, 1, 0, 1);          /* float32 patch embedding */
+    /* the algorithm cache answers a repeated shape */
+    int cached = ctx.num_algos;
+    gemm_case(&ctx, 11, 2560, 1024, 0, 0, 0, 1, 0, 0);
+    CHECK(ctx.num_algos == cached, "a repeated shape searched again");
+    gemm_free(&ctx);
+}
+
+int main(int argc, char **argv) {
+    check_init(argc, argv);
+    gpu_seed();
+    RUN(layernorm_matches_cpu);
+    RUN(rmsnorm_matches_cpu_with_row_map);
+    RUN(gelu_mul_matches_cpu);
+    RUN(rope_qkv_matches_cpu);
+    RUN(im2col_and_bias_pos);
+    RUN(assemble_prefix_and_suffix);
+    RUN(linear_small_k_matches_cpu);
+    RUN(gemm_matches_cpu);
+    return check_finish();
+}
