@@ -8,8 +8,13 @@ OUT=${OUT:-device-out}; mkdir -p "$OUT"
 what=${1:-all}
 
 # Carried packages (.deps/*.deb, see README "GPU") unpack into a local prefix.
+export PATH=/usr/local/cuda/bin:$PATH
 root=$PWD/.deps/root
-if [ ! -d "$root" ]; then for deb in .deps/*.deb; do dpkg -x "$deb" "$root"; done; fi
+unpack() { # a .deb is an ar archive holding data.tar.*; dpkg -x when there is a dpkg
+    if command -v dpkg >/dev/null; then dpkg -x "$1" "$root"; return; fi
+    local tmp; tmp=$(mktemp -d); (cd "$tmp" && ar x "$OLDPWD/$1" && tar -xf data.tar.* -C "$root"); rm -rf "$tmp"
+}
+if [ ! -d "$root" ]; then mkdir -p "$root"; for deb in .deps/*.deb; do unpack "$deb"; done; fi
 lib=$root/usr/lib/x86_64-linux-gnu
 export LD_LIBRARY_PATH=$lib/openblas-openmp:$lib:${LD_LIBRARY_PATH:-}
 export PI0_FIXTURES=${PI0_FIXTURES:-$PWD/.fixtures}   # carried copy of ../shared/fixtures

@@ -39,7 +39,7 @@ extern "C" {
  * CUDA graph and replayed while the segments' contents change (as long as max_num_q still holds).
  * Queries of different segments must not write the same output rows concurrently (they would race).
  *
- * Limits: head_dim 72 or 256; num_heads a multiple of num_kv_heads; ldq >= num_heads * head_dim,
+ * Limits: head_dim 72 or 256 (Pi0), or 16 or 32 (small test models); num_heads a multiple of num_kv_heads; ldq >= num_heads * head_dim,
  * ldkv >= num_kv_heads * head_dim, ldo >= num_heads * head_dim. Any alignment works; 16-byte aligned
  * base pointers with leading dimensions that are multiples of 8 take the fast (16-byte, asynchronous
  * copy) path. Returns cudaErrorInvalidValue for arguments outside these limits, cudaSuccess with no
@@ -49,6 +49,16 @@ cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ld
                                const pi0_bf16 *v, int ldkv, const attn_segment *segments, int num_segments,
                                int max_num_q, int num_heads, int num_kv_heads, int head_dim, float scale,
                                cudaStream_t stream);
+
+/*
+ * Tuning/testing knob, process-wide, not thread-safe (set it before launching or capturing): how many
+ * blocks (a thread-block cluster, sm_90+) share the keys of one 64-row tile. 0 (the default) chooses
+ * per call from the grid size: small grids (denoise, batch-1 prefix) split the keys up to 8 ways, grids
+ * that fill the GPU do not. n > 0 forces the largest power of two <= min(n, 8) that the device
+ * supports; 1 disables the split. Results differ between splits only by float rounding; for a given
+ * split they are deterministic. The choice is made at launch time, so a captured graph keeps it.
+ */
+void pi0_cuda_attention_set_split(int split);
 
 #ifdef __cplusplus
 }

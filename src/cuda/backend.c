@@ -359,19 +359,29 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
     return PI0_OK;
 }
 
+/* A stage boundary: "external" so that under capture it becomes an event-record node of the graph
+ * (a plain record would only order streams), and each replay re-records it. */
+static cudaError_t record(cudaEvent_t event, cudaStream_t stream) {
+    enum cudaStreamCaptureStatus capturing;
+    cudaError_t e = cudaStreamIsCapturing(stream, &capturing);
+    if (e) return e;
+    if (capturing != cudaStreamCaptureStatusActive) return cudaEventRecord(event, stream); /* the flag is capture-only */
+    return cudaEventRecordWithFlags(event, stream, cudaEventRecordExternal);
+}
+
 static pi0_status enqueue(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
     const pi0_dims *d = &m->dims;
     size_t actions_bytes = (size_t)g->shape.batch * g->shape.horizon * d->action_dim * sizeof(float);
     CUDA_TRY(cudaMemcpyAsync(g->device, g->host, g->inputs_size, cudaMemcpyHostToDevice, s->stream));
-    CUDA_TRY(cudaEventRecord(g->events[0], s->stream));
+    CUDA_TRY(record(g->events[0], s->stream));
     TRY(vision_forward(s, m, g, err));
-    CUDA_TRY(cudaEventRecord(g->events[1], s->stream));
+    CUDA_TRY(record(g->events[1], s->stream));
     TRY(prefix_forward(s, m, g, err));
-    CUDA_TRY(cudaEventRecord(g->events[2], s->stream));
+    CUDA_TRY(record(g->events[2], s->stream));
     CUDA_TRY(pi0_cuda_linear_small_k(g->state_token, 0, g->in.state, s->w.state_proj_w, s->w.state_proj_b,
                                      g->shape.batch, d->action_dim, d->expert.width, 0, s->stream));
     for (int step = 0; step < g->shape.num_steps; step++) TRY(denoise_step(s, m, g, step, err));
-    CUDA_TRY(cudaEventRecord(g->events[3], s->stream));
+    CUDA_TRY(record(g->events[3], s->stream));
     CUDA_TRY(cudaMemcpyAsync(g->actions_host, g->in.x_t, actions_bytes, cudaMemcpyDeviceToHost, s->stream));
     return PI0_OK;
 }
@@ -429,6 +439,7 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
                         p->max_prefix + p->horizon + 1, ROPE_MAX_POS);
     TRY(graph_for(s, m, &shape, &g, err));
     fill_inputs(g, m, p);
+    cudaGetLastError(); /* a stale error of someone else's call must not be taken for ours */
     if (s->use_graphs && g->exec) {
         CUDA_TRY(cudaGraphLaunch(g->exec, s->stream));
     } else {
@@ -444,9 +455,9 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
     memcpy(actions, g->actions_host, (size_t)p->batch * p->horizon * m->dims.action_dim * sizeof(float));
     if (timings) {
         float vision = 0, prefix = 0, denoise = 0;
-        cudaEventElapsedTime(&vision, g->events[0], g->events[1]);
-        cudaEventElapsedTime(&prefix, g->events[1], g->events[2]);
-        cudaEventElapsedTime(&denoise, g->events[2], g->events[3]);
+        CUDA_TRY(cudaEventElapsedTime(&vision, g->events[0], g->events[1]));
+        CUDA_TRY(cudaEventElapsedTime(&prefix, g->events[1], g->events[2]));
+        CUDA_TRY(cudaEventElapsedTime(&denoise, g->events[2], g->events[3]));
         *timings = (pi0_timings){vision, prefix, denoise, (double)vision + prefix + denoise};
     }
     /* the first call of a shape ran eagerly; later calls replay its graph */

@@ -4,9 +4,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda/kernels.h"
 #include "util/error.h"
 
 #define WORKSPACE_BYTES (32u << 20)
+#define TUNE_CANDIDATES 10
+#define TUNE_REPS 20
+#define TUNE_SPIN_US 400
 
 struct gemm_algo_entry {
     int m, n, k, flags;
@@ -22,12 +26,14 @@ pi0_status gemm_init(gemm_context *ctx, pi0_error *err) {
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate the cuBLASLt workspace");
     }
     ctx->workspace_size = WORKSPACE_BYTES;
+    ctx->tune = 1;
     return PI0_OK;
 }
 
 void gemm_free(gemm_context *ctx) {
     if (ctx->workspace) cudaFree(ctx->workspace);
     if (ctx->lt) cublasLtDestroy(ctx->lt);
+    if (ctx->scratch) cudaFree(ctx->scratch);
     free(ctx->algos);
     memset(ctx, 0, sizeof *ctx);
 }
@@ -91,19 +97,81 @@ static cublasStatus_t descs_make(gemm_descs *d, const gemm_args *a) {
     return CUBLAS_STATUS_SUCCESS;
 }
 
-static cublasStatus_t find_algo(gemm_context *ctx, const gemm_descs *d, cublasLtMatmulAlgo_t *algo) {
+static int capturing(cudaStream_t stream) {
+    enum cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(stream, &status);
+    return status != cudaStreamCaptureStatusNone;
+}
+
+static void *scratch_for(gemm_context *ctx, size_t bytes) {
+    if (bytes > ctx->scratch_size) {
+        if (ctx->scratch) cudaFree(ctx->scratch);
+        ctx->scratch_size = 0;
+        if (cudaMalloc(&ctx->scratch, bytes) != cudaSuccess) {
+            cudaGetLastError();
+            ctx->scratch = NULL;
+            return NULL;
+        }
+        cudaMemset(ctx->scratch, 0, bytes);
+        ctx->scratch_size = bytes;
+    }
+    return ctx->scratch;
+}
+
+/* Mean GPU time of TUNE_REPS runs of one candidate into `out`, or a negative value if it fails. */
+static float time_candidate(gemm_context *ctx, const gemm_descs *d, const gemm_args *a, const cublasLtMatmulAlgo_t *algo,
+                            void *out, cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop) {
+    float ms = -1;
+    if (pi0_cuda_spin(TUNE_SPIN_US, stream) != cudaSuccess) return -1;
+    cudaEventRecord(start, stream);
+    for (int r = 0; r < TUNE_REPS; r++)
+        if (cublasLtMatmul(ctx->lt, d->op, &a->alpha, a->w, d->w, a->x, d->x, &a->beta, out, d->out, out, d->out, algo,
+                           ctx->workspace, ctx->workspace_size, stream))
+            return -1;
+    cudaEventRecord(stop, stream);
+    if (cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    return ms / TUNE_REPS;
+}
+
+/* The fastest of cuBLASLt's candidates for this call, timed on scratch; or its first pick when
+ * timing is not possible (under capture, or out of scratch memory). */
+static cublasStatus_t find_algo(gemm_context *ctx, const gemm_descs *d, const gemm_args *a, cudaStream_t stream,
+                                cublasLtMatmulAlgo_t *algo) {
     cublasLtMatmulPreference_t pref;
-    cublasLtMatmulHeuristicResult_t result;
+    cublasLtMatmulHeuristicResult_t results[TUNE_CANDIDATES];
     int found = 0;
     cublasStatus_t s = cublasLtMatmulPreferenceCreate(&pref);
     if (s) return s;
     s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ctx->workspace_size,
                                              sizeof ctx->workspace_size);
-    if (!s) s = cublasLtMatmulAlgoGetHeuristic(ctx->lt, d->op, d->w, d->x, d->out, d->out, pref, 1, &result, &found);
+    if (!s)
+        s = cublasLtMatmulAlgoGetHeuristic(ctx->lt, d->op, d->w, d->x, d->out, d->out, pref, TUNE_CANDIDATES, results,
+                                           &found);
     cublasLtMatmulPreferenceDestroy(pref);
     if (!s && found == 0) s = CUBLAS_STATUS_NOT_SUPPORTED;
-    if (!s) *algo = result.algo;
-    return s;
+    if (s) return s;
+    *algo = results[0].algo;
+    void *out = NULL;
+    if (found == 1 || !ctx->tune || capturing(stream) ||
+        !(out = scratch_for(ctx, (size_t)a->m * a->n * (a->out_f32 ? 4 : 2))))
+        return CUBLAS_STATUS_SUCCESS;
+    cudaEvent_t start, stop;
+    if (cudaEventCreate(&start) != cudaSuccess) return CUBLAS_STATUS_SUCCESS;
+    if (cudaEventCreate(&stop) != cudaSuccess) {
+        cudaEventDestroy(start);
+        return CUBLAS_STATUS_SUCCESS;
+    }
+    float best = -1;
+    for (int i = 0; i < found; i++) {
+        float ms = time_candidate(ctx, d, a, &results[i].algo, out, stream, start, stop);
+        if (ms > 0 && (best < 0 || ms < best)) best = ms, *algo = results[i].algo;
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    return CUBLAS_STATUS_SUCCESS;
 }
 
 pi0_status gemm_run(gemm_context *ctx, const gemm_args *a, cudaStream_t stream, pi0_error *err) {
@@ -113,7 +181,7 @@ pi0_status gemm_run(gemm_context *ctx, const gemm_args *a, cudaStream_t stream, 
     cublasStatus_t s = descs_make(&d, a);
     const cublasLtMatmulAlgo_t *known = s ? NULL : cached_algo(ctx, a);
     if (!s && !known) {
-        s = find_algo(ctx, &d, &algo);
+        s = find_algo(ctx, &d, a, stream, &algo);
         if (!s && cache_algo(ctx, a, &algo)) s = CUBLAS_STATUS_ALLOC_FAILED;
         known = &algo;
     }

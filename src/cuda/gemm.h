@@ -5,8 +5,12 @@
  * Weights keep PyTorch's (out, in) layout: read column-major they are w^T (k, n), so each call is
  * cuBLAS's "TN" product with no transposed copy anywhere. bf16 operands, float32 accumulation;
  * out is bf16 (feeding the next GEMM) or float32 (a residual stream, with beta = 1 to accumulate).
- * The bias has out's type. The algorithm for each shape is chosen once by cuBLASLt's heuristic and
- * cached, so capturing a graph costs no repeated search.
+ * The bias has out's type.
+ *
+ * Algorithm choice: the first time a shape runs outside graph capture, up to TUNE_CANDIDATES of
+ * cuBLASLt's heuristic candidates are timed on a scratch output and the fastest is cached; the
+ * heuristic's first pick alone is often far from the best for the skinny (M = 11..51) denoise GEMMs.
+ * Later calls, and graph capture, reuse the cached choice.
  */
 #ifndef PI0_CUDA_GEMM_H
 #define PI0_CUDA_GEMM_H
@@ -33,6 +37,9 @@ typedef struct {
     size_t workspace_size;
     gemm_algo_entry *algos; /* shape -> algorithm cache */
     int num_algos, cap_algos;
+    void *scratch;          /* timing output, so tuning never touches the real one */
+    size_t scratch_size;
+    int tune;               /* 0: take the heuristic's first pick (tests of the wrapper itself) */
 } gemm_context;
 
 pi0_status gemm_init(gemm_context *ctx, pi0_error *err);

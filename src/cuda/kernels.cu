@@ -154,6 +154,13 @@ static __global__ void assemble_suffix_kernel(float *suffix, const float *state,
     for (int j = threadIdx.x; j < width; j += blockDim.x) dst[j] = src[j];
 }
 
+static __global__ void spin_kernel(long long nanoseconds) {
+    unsigned long long start;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    for (unsigned long long now = start; now - start < (unsigned long long)nanoseconds;)
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+}
+
 /* Grid size for grid-stride loops: enough blocks to fill the GPU, never more than the work. */
 static unsigned grid_for(size_t n, int threads) {
     size_t blocks = (n + threads - 1) / threads;
@@ -222,6 +229,11 @@ cudaError_t pi0_cuda_assemble_suffix(float *suffix, const float *state, const fl
                                      int width, cudaStream_t stream) {
     if (batch > 0) assemble_suffix_kernel<<<dim3((unsigned)horizon + 1, (unsigned)batch), 256, 0, stream>>>(
         suffix, state, actions, horizon, width);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_spin(int microseconds, cudaStream_t stream) {
+    spin_kernel<<<1, 1, 0, stream>>>(1000LL * microseconds);
     return cudaGetLastError();
 }
 

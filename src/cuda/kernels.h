@@ -61,6 +61,10 @@ cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, co
 cudaError_t pi0_cuda_assemble_suffix(float *suffix, const float *state, const float *actions, int batch, int horizon,
                                      int width, cudaStream_t stream);
 
+/* Keeps the GPU busy for about `microseconds`: queued before a timed run, it lets the host enqueue
+ * every repetition first, so the events measure GPU time rather than launch overhead. */
+cudaError_t pi0_cuda_spin(int microseconds, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -240,30 +240,64 @@ static void describe(const fixture *f, const attn_segment *segs, int nseg, size_
              col / (size_t)f->c.hd, col % (size_t)f->c.hd);
 }
 
-/* Compares the GPU output `gpu` for segments `segs` with the CPU oracle. */
-static void verify(const fixture *f, const attn_segment *segs, int nseg, const uint16_t *gpu, const char *what) {
+/* The oracle's answer for one set of segments: out, the same attention over |V|, and which output
+ * elements must be written. */
+typedef struct {
+    const attn_segment *segs;
+    int nseg;
+    float *ref, *ref_abs;
+    unsigned char *written;
+    size_t expected;
+} reference;
+
+static void reference_free(reference *r) {
+    free(r->ref);
+    free(r->ref_abs);
+    free(r->written);
+    memset(r, 0, sizeof *r);
+}
+
+/* Returns 1 on success. */
+static int reference_init(reference *r, const fixture *f, const attn_segment *segs, int nseg) {
     const attn_case *c = &f->c;
-    float *ref = malloc(f->o_total * sizeof *ref), *ref_abs = malloc(f->o_total * sizeof *ref_abs);
-    unsigned char *written = calloc(f->o_total, 1);
-    char desc[256];
-    if (!ref || !ref_abs || !written) {
+    memset(r, 0, sizeof *r);
+    r->segs = segs;
+    r->nseg = nseg;
+    r->ref = malloc(f->o_total * sizeof *r->ref);
+    r->ref_abs = malloc(f->o_total * sizeof *r->ref_abs);
+    r->written = calloc(f->o_total, 1);
+    if (!r->ref || !r->ref_abs || !r->written) {
         CHECK(0, "out of host memory");
-        goto done;
+        return 0;
     }
-    for (size_t i = 0; i < f->o_total; i++) ref[i] = ref_abs[i] = NAN;
-    CHECK(cpu_attention(ref + f->o_off, f->ldo, f->in_f + f->q_off, f->ldq, f->in_f + f->k_off,
-                        f->in_f + f->v_off, f->ldkv, segs, nseg, c->nh, c->nkv, c->hd, c->scale) == 0);
-    CHECK(cpu_attention(ref_abs + f->o_off, f->ldo, f->in_f + f->q_off, f->ldq, f->in_f + f->k_off,
-                        f->in_abs + f->v_off, f->ldkv, segs, nseg, c->nh, c->nkv, c->hd, c->scale) == 0);
-    size_t expected = 0;
+    for (size_t i = 0; i < f->o_total; i++) r->ref[i] = r->ref_abs[i] = NAN;
+    int rc1 = cpu_attention(r->ref + f->o_off, f->ldo, f->in_f + f->q_off, f->ldq, f->in_f + f->k_off,
+                            f->in_f + f->v_off, f->ldkv, segs, nseg, c->nh, c->nkv, c->hd, c->scale);
+    int rc2 = cpu_attention(r->ref_abs + f->o_off, f->ldo, f->in_f + f->q_off, f->ldq, f->in_f + f->k_off,
+                            f->in_abs + f->v_off, f->ldkv, segs, nseg, c->nh, c->nkv, c->hd, c->scale);
+    if (rc1 != 0 || rc2 != 0) {
+        CHECK(0, "cpu_attention failed");
+        return 0;
+    }
     for (int s = 0; s < nseg; s++) {
         if (segs[s].num_q <= 0 || segs[s].num_k <= 0) continue;
-        for (int r = segs[s].q_row; r < segs[s].q_row + segs[s].num_q; r++)
+        for (int row = segs[s].q_row; row < segs[s].q_row + segs[s].num_q; row++)
             for (int j = 0; j < c->nh * c->hd; j++) {
-                written[f->o_off + (size_t)r * f->ldo + j] = 1;
-                expected++;
+                r->written[f->o_off + (size_t)row * f->ldo + j] = 1;
+                r->expected++;
             }
     }
+    return 1;
+}
+
+/* Compares the GPU output `gpu` with the oracle's answer. */
+static void verify(const fixture *f, const reference *rf, const uint16_t *gpu, const char *what) {
+    const attn_segment *segs = rf->segs;
+    const int nseg = rf->nseg;
+    const float *ref = rf->ref, *ref_abs = rf->ref_abs;
+    const unsigned char *written = rf->written;
+    const size_t expected = rf->expected;
+    char desc[256];
 
     size_t touched = 0, nonfinite = 0, bad = 0, worst_i = 0, first_touched = 0, first_nonfinite = 0;
     double num = 0, den = 0, worst = 0, max_abs = 0;
@@ -311,21 +345,32 @@ static void verify(const fixture *f, const attn_segment *segs, int nseg, const u
               bf2f(gpu[worst_i]), ref[worst_i], ref_abs[worst_i]);
     }
     CHECK(rel <= 1e-2, "%s: relative error %g", what, rel);
-done:
-    free(ref);
-    free(ref_abs);
-    free(written);
 }
 
-/* The whole check for one case: run twice (determinism), verify against the oracle. */
+/* Key-split settings every case runs under (pi0_cuda_attention_set_split): the automatic choice,
+ * no split, and forced splits of 2, 4 and 8 blocks (clamped to 1 on GPUs before sm_90). */
+static const int kSplits[] = {0, 1, 2, 4, 8};
+#define NUM_SPLITS ((int)(sizeof kSplits / sizeof kSplits[0]))
+
+/* The whole check for one case, under every split setting: run twice (determinism), verify. */
 static void run_case(const attn_case *c) {
     fixture f;
-    if (fixture_init(&f, c) && fixture_run(&f, f.gpu_out) && fixture_run(&f, f.gpu_out2)) {
-        verify(&f, c->segs, c->nseg, f.gpu_out, c->name);
-        size_t diff = 0;
-        for (size_t i = 0; i < f.o_total; i++) diff += f.gpu_out[i] != f.gpu_out2[i];
-        CHECK(diff == 0, "%s: two identical launches differ in %zu elements", c->name, diff);
+    reference r;
+    memset(&r, 0, sizeof r);
+    if (fixture_init(&f, c) && reference_init(&r, &f, c->segs, c->nseg)) {
+        for (int si = 0; si < NUM_SPLITS; si++) {
+            char what[128];
+            snprintf(what, sizeof what, "%s [split %d]", c->name, kSplits[si]);
+            pi0_cuda_attention_set_split(kSplits[si]);
+            if (!fixture_run(&f, f.gpu_out) || !fixture_run(&f, f.gpu_out2)) break;
+            verify(&f, &r, f.gpu_out, what);
+            size_t diff = 0;
+            for (size_t i = 0; i < f.o_total; i++) diff += f.gpu_out[i] != f.gpu_out2[i];
+            CHECK(diff == 0, "%s: two identical launches differ in %zu elements", what, diff);
+        }
+        pi0_cuda_attention_set_split(0);
     }
+    reference_free(&r);
     fixture_free(&f);
 }
 
@@ -434,10 +479,11 @@ TEST(test_denoise_like) {
     }
 }
 
-/* GQA and other head groupings, with and without a state mask, in both head dims. */
+/* GQA and other head groupings, with and without a state mask, in every supported head dim. */
 TEST(test_gqa) {
     rng_seed_for("gqa");
-    static const int heads[][3] = {{8, 2, 256}, {12, 4, 72}, {8, 1, 72}, {2, 2, 256}, {6, 3, 256}, {16, 2, 72}};
+    static const int heads[][3] = {{8, 2, 256}, {12, 4, 72}, {8, 1, 72}, {2, 2, 256}, {6, 3, 256}, {16, 2, 72},
+                                   {4, 2, 16}, {8, 1, 32}};
     /* {num_q, num_k, state_keys} */
     static const int shape[][3] = {{37, 150, 20}, {1, 700, 5}, {64, 64, 0}, {100, 333, 333}, {9, 1, 0}, {3, 129, 64},
                                    {22, 65, 1}};
@@ -548,8 +594,9 @@ TEST(test_large_logits) {
 /* Random shapes, head groupings and layouts, fresh every run. */
 TEST(test_random_shapes) {
     rng_seed_for("random_shapes");
-    static const int heads[][3] = {{8, 1, 256}, {16, 16, 72}, {8, 2, 256}, {4, 1, 72}, {3, 1, 256}, {10, 5, 72}};
-    for (int iter = 0; iter < 12; iter++) {
+    static const int heads[][3] = {{8, 1, 256}, {16, 16, 72}, {8, 2, 256}, {4, 1, 72}, {3, 1, 256}, {10, 5, 72},
+                                   {4, 1, 16}, {8, 2, 32}};
+    for (int iter = 0; iter < 16; iter++) {
         attn_segment segs[6];
         int nseg = rng_int(1, 6), qrow = rng_int(0, 3), krow = rng_int(0, 3), fused = rng_int(0, 1);
         for (int s = 0; s < nseg; s++) {
@@ -560,7 +607,7 @@ TEST(test_random_shapes) {
             qrow += nq + rng_int(0, 2);
             krow += nk + rng_int(0, 4);
         }
-        int hc = rng_int(0, 5);
+        int hc = rng_int(0, 7);
         char name[64];
         snprintf(name, sizeof name, "random #%d: %d seg, %d/%d x %d%s", iter, nseg, heads[hc][0], heads[hc][1],
                  heads[hc][2], fused ? ", fused" : "");
@@ -592,34 +639,46 @@ TEST(test_graph_replay) {
         c.segs = a;
         c.nseg = 3;
         fixture f;
-        cudaGraph_t graph = NULL;
-        cudaGraphExec_t exec = NULL;
-        if (!fixture_init(&f, &c)) goto next;
-        if (!CUDA_OK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal))) goto next;
-        cudaError_t call = fixture_call(&f, 3);
-        cudaError_t end = cudaStreamEndCapture(g_stream, &graph);
-        if (!CUDA_OK(call) || !CUDA_OK(end)) goto next;
-        if (!CUDA_OK(cudaGraphInstantiate(&exec, graph, 0))) goto next;
-        for (int rep = 0; rep < 3; rep++) {
-            const attn_segment *segs = rep == 1 ? b : a;
-            if (!CUDA_OK(cudaMemcpyAsync(f.d_segs, segs, sizeof a, cudaMemcpyHostToDevice, g_stream))) goto next;
-            if (!CUDA_OK(cudaMemsetAsync(f.d_out, 0xff, f.o_total * sizeof(pi0_bf16), g_stream))) goto next;
-            if (!CUDA_OK(cudaGraphLaunch(exec, g_stream))) goto next;
-            if (!CUDA_OK(cudaStreamSynchronize(g_stream))) goto next;
-            if (!CUDA_OK(cudaMemcpy(f.gpu_out, f.d_out, f.o_total * sizeof(pi0_bf16), cudaMemcpyDeviceToHost)))
-                goto next;
-            char what[80];
-            snprintf(what, sizeof what, "%s, replay %d (%s)", c.name, rep, rep == 1 ? "segments B" : "segments A");
-            verify(&f, segs, 3, f.gpu_out, what);
+        reference ra, rb;
+        memset(&ra, 0, sizeof ra);
+        memset(&rb, 0, sizeof rb);
+        if (!fixture_init(&f, &c) || !reference_init(&ra, &f, a, 3) || !reference_init(&rb, &f, b, 3)) goto next;
+        for (int si = 0; si < NUM_SPLITS; si++) {
+            cudaGraph_t graph = NULL;
+            cudaGraphExec_t exec = NULL;
+            pi0_cuda_attention_set_split(kSplits[si]);
+            int ok = CUDA_OK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
+            if (ok) {
+                cudaError_t call = fixture_call(&f, 3);
+                cudaError_t end = cudaStreamEndCapture(g_stream, &graph);
+                ok = CUDA_OK(call) && CUDA_OK(end) && CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+            }
+            for (int rep = 0; ok && rep < 3; rep++) {
+                const attn_segment *segs = rep == 1 ? b : a;
+                ok = CUDA_OK(cudaMemcpyAsync(f.d_segs, segs, sizeof a, cudaMemcpyHostToDevice, g_stream)) &&
+                     CUDA_OK(cudaMemsetAsync(f.d_out, 0xff, f.o_total * sizeof(pi0_bf16), g_stream)) &&
+                     CUDA_OK(cudaGraphLaunch(exec, g_stream)) && CUDA_OK(cudaStreamSynchronize(g_stream)) &&
+                     CUDA_OK(cudaMemcpy(f.gpu_out, f.d_out, f.o_total * sizeof(pi0_bf16), cudaMemcpyDeviceToHost));
+                if (!ok) break;
+                char what[128];
+                snprintf(what, sizeof what, "%s, replay %d (%s) [split %d]", c.name, rep,
+                         rep == 1 ? "segments B" : "segments A", kSplits[si]);
+                verify(&f, rep == 1 ? &rb : &ra, f.gpu_out, what);
+            }
+            if (exec) CUDA_OK(cudaGraphExecDestroy(exec));
+            if (graph) CUDA_OK(cudaGraphDestroy(graph));
+            if (!ok) break;
         }
+        pi0_cuda_attention_set_split(0);
     next:
-        if (exec) CUDA_OK(cudaGraphExecDestroy(exec));
-        if (graph) CUDA_OK(cudaGraphDestroy(graph));
+        reference_free(&ra);
+        reference_free(&rb);
         fixture_free(&f);
     }
 }
 
-/* Argument checks: unsupported head_dim and head grouping are refused; no work means no launch. */
+/* Argument checks: unsupported head_dim (not 16, 32, 72, 256) and head grouping are refused; no work
+ * means no launch. */
 TEST(test_arguments) {
     rng_seed_for("arguments");
     attn_segment segs[] = {{0, 10, 0, 10, 0}};
@@ -633,8 +692,8 @@ TEST(test_arguments) {
     }
     pi0_bf16 *o = f.d_out + f.o_off;
     const pi0_bf16 *q = f.d_in + f.q_off, *k = f.d_in + f.k_off, *v = f.d_in + f.v_off;
-    static const int bad_hd[] = {0, 64, 80, 128, 255};
-    for (int i = 0; i < 5; i++)
+    static const int bad_hd[] = {0, 8, 64, 80, 128, 255};
+    for (int i = 0; i < 6; i++)
         CHECK(pi0_cuda_attention(o, 4096, q, 4096, k, v, 4096, f.d_segs, 1, 10, 8, 1, bad_hd[i], 1.0f, g_stream) ==
                   cudaErrorInvalidValue,
               "head_dim %d", bad_hd[i]);

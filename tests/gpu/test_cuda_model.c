@@ -159,8 +159,12 @@ TEST(graph_replay_equals_eager_and_repeats) {
     REQUIRE(pi0_sample_actions(m, &f.batch, eager, NULL, &err) == PI0_OK, "%s", err.message);
     pi0_cuda_set_graphs(m, 1);
     for (int i = 0; i < 6; i++) {
-        REQUIRE(pi0_sample_actions(m, &f.batch, replay, NULL, &err) == PI0_OK, "%s", err.message);
+        pi0_timings t = {0};
+        REQUIRE(pi0_sample_actions(m, &f.batch, replay, &t, &err) == PI0_OK, "%s", err.message);
         CHECK(memcmp(eager, replay, n * 4) == 0, "call %d differs from the eager run (rel %.3g)", i, rel_error(replay, eager, n));
+        /* stage timings come from events inside the graph: every replay must report them */
+        CHECK(t.vision_ms > 0 && t.prefix_ms > 0 && t.denoise_ms > 0 && isfinite(t.total_ms), "call %d timings %g %g %g", i,
+              t.vision_ms, t.prefix_ms, t.denoise_ms);
     }
     /* other inputs through the same graph: the graph reads the new inputs, not the captured ones */
     for (size_t i = 0; i < n; i++) f.noise[i] = -f.noise[i];
