@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int check_test_failed, check_passed, check_failed;
 static const char *check_filter;
@@ -73,6 +74,19 @@ static inline double rel_error(const float *a, const float *b, size_t n) {
 static inline const char *fixtures_dir(void) {
     const char *dir = getenv("PI0_FIXTURES");
     return dir ? dir : "../shared/fixtures";
+}
+
+/* A path under this program's own fresh temporary directory; up to 8 returned paths stay valid. */
+static inline const char *tmp_path(const char *leaf) {
+    static char root[64], ring[8][512];
+    static int next;
+    char *path = ring[next++ % 8];
+    if (!root[0]) {
+        snprintf(root, sizeof root, "/tmp/pi0_test_XXXXXX");
+        if (!mkdtemp(root)) return NULL;
+    }
+    snprintf(path, sizeof ring[0], "%s/%s", root, leaf);
+    return path;
 }
 
 #endif

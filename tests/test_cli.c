@@ -15,20 +15,6 @@ static const char *pi0_bin(void) {
     return bin ? bin : "build/pi0";
 }
 
-static char tmp_root[256];
-
-static const char *tmp_path(const char *leaf) {
-    static char ring[8][512]; /* several paths may be alive at once */
-    static int next;
-    char *path = ring[next++ % 8];
-    if (!tmp_root[0]) {
-        snprintf(tmp_root, sizeof tmp_root, "/tmp/pi0_test_cli_XXXXXX");
-        if (!mkdtemp(tmp_root)) return NULL;
-    }
-    snprintf(path, sizeof ring[0], "%s/%s", tmp_root, leaf);
-    return path;
-}
-
 /* Runs `pi0 ARGS`, capturing stdout into `out` (may be NULL); returns the exit code. */
 static int run_pi0(char *out, size_t out_size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int run_pi0(char *out, size_t out_size, const char *fmt, ...) {

@@ -189,20 +189,6 @@ static void check_fixture_intermediates(const char *name) {
 TEST(fixture_pi0_tiny_intermediates) { check_fixture_intermediates("pi0_tiny"); }
 TEST(fixture_pi0_tiny_h50_intermediates) { check_fixture_intermediates("pi0_tiny_h50"); }
 
-static char tmp_root[256];
-
-static const char *tmp_path(const char *leaf) {
-    static char ring[8][512]; /* several paths may be alive at once */
-    static int next;
-    char *path = ring[next++ % 8];
-    if (!tmp_root[0]) {
-        snprintf(tmp_root, sizeof tmp_root, "/tmp/pi0_test_model_XXXXXX");
-        if (!mkdtemp(tmp_root)) return NULL;
-    }
-    snprintf(path, sizeof ring[0], "%s/%s", tmp_root, leaf);
-    return path;
-}
-
 static uint32_t bits_of(float x) {
     uint32_t b;
     memcpy(&b, &x, 4);

@@ -552,17 +552,21 @@ cudaError_t configure(DeviceInfo *out) {
 }
 
 /* Blocks per row tile. A split costs a merge and a second load of Q per block, and pays only when a
- * block would otherwise walk many tiles on a mostly idle GPU (measured on H200: batch-1 denoise 55 ->
- * 19 us with 8; a 3-image ViT call, 4 tiles per block, 13 -> 19 us with 2). So: no split for grids
- * of a quarter wave or more, else double the blocks while the grid still fits in one wave. */
-int choose_split(const DeviceInfo &d, long long base_blocks) {
+ * block would otherwise walk many tiles on a mostly idle GPU. Measured on H200 (us, no split -> split):
+ * batch-1 denoise (11 q x 799 k, 2 blocks) 53 -> 17 with 8; batch-8 denoise (51 q, 56 blocks) 58 ->
+ * 35 with 4; batch-1 prefix (788 tokens, 99 blocks) 56 -> 50.5 with 2; but a 3-image ViT call (192
+ * blocks of 4 tiles each) 12.4 -> 14.8 with 2. The host does not know num_k (it lives in device
+ * memory), so the rule uses the head dim as the hint: Gemma (256) attends over hundreds of keys, the
+ * ViT (72) over 256. No split for grids of half a wave or more (head_dim 256) or a quarter wave or
+ * more (smaller head dims); else double the blocks while the grid still fits in one wave. */
+int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim) {
     int split = 1;
     if (g_split_override > 0) {
         while (split * 2 <= g_split_override && split * 2 <= d.max_split) split *= 2;
         return split;
     }
     const long long capacity = (long long)d.sms * d.blocks_per_sm;
-    if (base_blocks * 4 > capacity) return 1; /* already a quarter of a wave or more: a split does not pay */
+    if (base_blocks * (head_dim >= 256 ? 2 : 4) > capacity) return 1;
     while (split * 2 <= d.max_split && base_blocks * split * 2 <= capacity) split *= 2;
     return split;
 }
@@ -573,7 +577,8 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
     cudaError_t e = configure<HD>(&d);
     if (e != cudaSuccess) return e;
     const int kMaxZ = 65535;
-    const int split = choose_split(d, (long long)row_tiles * num_kv_heads * (num_segments < kMaxZ ? num_segments : kMaxZ));
+    const int split =
+        choose_split(d, (long long)row_tiles * num_kv_heads * (num_segments < kMaxZ ? num_segments : kMaxZ), HD);
     if ((long long)row_tiles * split > 0x7fffffffLL) return cudaErrorInvalidValue;
     for (int first = 0; first < num_segments; first += kMaxZ) {
         AttnParams p = base;

@@ -15,10 +15,7 @@
 
 #include "model/plan.h" /* attn_segment */
 
-#ifndef PI0_BF16_DEFINED
-#define PI0_BF16_DEFINED
-typedef uint16_t pi0_bf16; /* bfloat16 bits */
-#endif
+#include "cuda/bf16.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -25,6 +25,11 @@ typedef struct {
     attn_segment *prefix_segments, *suffix_segments;
 } graph_inputs;
 
+/* Scratch of one Gemma stack over `rows` rows, all bf16 (GEMM inputs and outputs). */
+typedef struct {
+    pi0_bf16 *h, *qkv, *att, *mlp2, *mlp;
+} gemma_buffers;
+
 struct cuda_graph {
     graph_shape shape;
     uint64_t last_used;
@@ -39,9 +44,8 @@ struct cuda_graph {
     float *out_bias;  /* (A) dt * action_out_proj.bias: the Euler step is fused into that GEMM */
     /* activations */
     float *patches, *vit_x, *vision, *x, *suffix, *state_token, *action_tokens;
-    pi0_bf16 *vit_h, *vit_qkv, *vit_att, *vit_mlp;
-    pi0_bf16 *h, *qkv, *att, *mlp2, *mlp, *cache_k, *cache_v;
-    pi0_bf16 *s_h, *s_qkv, *s_att, *s_mlp2, *s_mlp, *time_hidden, *final_h;
+    pi0_bf16 *vit_h, *vit_qkv, *vit_att, *vit_mlp, *cache_k, *cache_v, *time_hidden, *final_h;
+    gemma_buffers prefix, suffix_buffers; /* the LLM's over the prefix rows, the expert's over the suffix */
     cudaEvent_t events[4]; /* start, vision done, prefix done, end */
 };
 
@@ -89,13 +93,22 @@ static void carve_inputs(carver *c, graph_inputs *in, const graph_shape *sh, con
     in->suffix_segments = carve(c, B * sizeof(attn_segment));
 }
 
+static void carve_gemma(carver *c, gemma_buffers *b, size_t rows, const pi0_stack_dims *d) {
+    size_t hd = (size_t)d->head_dim, q_dim = (size_t)d->num_heads * hd, kv_dim = (size_t)d->num_kv_heads * hd;
+    b->h = carve(c, rows * d->width * sizeof(pi0_bf16));
+    b->qkv = carve(c, rows * (q_dim + 2 * kv_dim) * sizeof(pi0_bf16));
+    b->att = carve(c, rows * q_dim * sizeof(pi0_bf16));
+    b->mlp2 = carve(c, rows * 2 * d->mlp_dim * sizeof(pi0_bf16));
+    b->mlp = carve(c, rows * d->mlp_dim * sizeof(pi0_bf16));
+}
+
 static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     const graph_shape *sh = &g->shape;
     size_t NP = (size_t)sh->num_images * tokens_per_image(d), T = (size_t)sh->total_prefix;
     size_t B = (size_t)sh->batch, R = B * (sh->horizon + 1), BH = B * sh->horizon;
     size_t Dv = (size_t)d->vision.width, D = (size_t)d->llm.width, We = (size_t)d->expert.width;
-    size_t hd = (size_t)d->llm.head_dim, q_dim = (size_t)d->llm.num_heads * hd, kv_dim = (size_t)d->llm.num_kv_heads * hd;
-    size_t qkv_dim = q_dim + 2 * kv_dim, cache_rows = T + R, bf = sizeof(pi0_bf16), f = sizeof(float);
+    size_t kv_dim = (size_t)d->llm.num_kv_heads * d->llm.head_dim, cache_rows = T + R, bf = sizeof(pi0_bf16);
+    size_t f = sizeof(float);
     g->vit_segments = carve(c, (size_t)sh->num_images * sizeof(attn_segment));
     g->time_bias = carve(c, (size_t)sh->num_steps * We * f);
     g->out_bias = carve(c, (size_t)d->action_dim * f);
@@ -107,21 +120,13 @@ static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     g->vit_mlp = carve(c, NP * d->vision.mlp_dim * bf);
     g->vision = carve(c, NP * D * f);
     g->x = carve(c, T * D * f);
-    g->h = carve(c, T * D * bf);
-    g->qkv = carve(c, T * qkv_dim * bf);
-    g->att = carve(c, T * q_dim * bf);
-    g->mlp2 = carve(c, T * 2 * d->llm.mlp_dim * bf);
-    g->mlp = carve(c, T * d->llm.mlp_dim * bf);
+    carve_gemma(c, &g->prefix, T, &d->llm);
     g->cache_k = carve(c, (size_t)d->llm.depth * cache_rows * kv_dim * bf);
     g->cache_v = carve(c, (size_t)d->llm.depth * cache_rows * kv_dim * bf);
     g->suffix = carve(c, R * We * f);
     g->state_token = carve(c, B * We * f);
     g->action_tokens = carve(c, BH * We * f);
-    g->s_h = carve(c, R * We * bf);
-    g->s_qkv = carve(c, R * qkv_dim * bf);
-    g->s_att = carve(c, R * q_dim * bf);
-    g->s_mlp2 = carve(c, R * 2 * d->expert.mlp_dim * bf);
-    g->s_mlp = carve(c, R * d->expert.mlp_dim * bf);
+    carve_gemma(c, &g->suffix_buffers, R, &d->expert);
     g->time_hidden = carve(c, BH * We * bf);
     g->final_h = carve(c, BH * We * bf);
 }
@@ -262,7 +267,7 @@ typedef struct {
     const int *positions, *cache_rows;
     const attn_segment *segments;
     float *x;
-    pi0_bf16 *h, *qkv, *att, *mlp2, *mlp;
+    const gemma_buffers *b;
 } gemma_rows;
 
 /* x += attn(RMSNorm(x)) Wo; x += MLP(RMSNorm(x)); K/V go to the layer's cache first. */
@@ -270,20 +275,20 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
                               pi0_bf16 *cache_k, pi0_bf16 *cache_v, int kv_only, pi0_error *err) {
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
     int qkv_dim = q_dim + 2 * kv_dim;
-    CUDA_TRY(pi0_cuda_rmsnorm(r->h, r->x, NULL, r->rows, W, l->input_norm, NORM_EPS, s->stream));
-    TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->h, .w = l->qkv_w, .out = r->qkv, .alpha = 1}, err));
-    CUDA_TRY(pi0_cuda_rope_qkv(r->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
+    CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, l->input_norm, NORM_EPS, s->stream));
+    TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));
+    CUDA_TRY(pi0_cuda_rope_qkv(r->b->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
                                cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
     if (kv_only) return PI0_OK;
-    CUDA_TRY(pi0_cuda_attention(r->att, q_dim, r->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
+    CUDA_TRY(pi0_cuda_attention(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
                                 r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd), s->stream));
-    TRY(gemm(s, (gemm_args){.m = r->rows, .n = W, .k = q_dim, .x = r->att, .w = l->o_w, .out = r->x, .out_f32 = 1,
+    TRY(gemm(s, (gemm_args){.m = r->rows, .n = W, .k = q_dim, .x = r->b->att, .w = l->o_w, .out = r->x, .out_f32 = 1,
                             .alpha = 1, .beta = 1}, err));
-    CUDA_TRY(pi0_cuda_rmsnorm(r->h, r->x, NULL, r->rows, W, l->post_norm, NORM_EPS, s->stream));
-    TRY(gemm(s, (gemm_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->h, .w = l->gate_up_w, .out = r->mlp2,
+    CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, l->post_norm, NORM_EPS, s->stream));
+    TRY(gemm(s, (gemm_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->b->h, .w = l->gate_up_w, .out = r->b->mlp2,
                             .alpha = 1}, err));
-    CUDA_TRY(pi0_cuda_gelu_mul(r->mlp, r->mlp2, r->rows, d->mlp_dim, s->stream));
-    TRY(gemm(s, (gemm_args){.m = r->rows, .n = W, .k = d->mlp_dim, .x = r->mlp, .w = l->down_w, .out = r->x, .out_f32 = 1,
+    CUDA_TRY(pi0_cuda_gelu_mul(r->b->mlp, r->b->mlp2, r->rows, d->mlp_dim, s->stream));
+    TRY(gemm(s, (gemm_args){.m = r->rows, .n = W, .k = d->mlp_dim, .x = r->b->mlp, .w = l->down_w, .out = r->x, .out_f32 = 1,
                             .alpha = 1, .beta = 1}, err));
     return PI0_OK;
 }
@@ -328,7 +333,7 @@ static pi0_status prefix_forward(cuda_state *s, const pi0_model *m, cuda_graph *
     CUDA_TRY(pi0_cuda_assemble_prefix(g->x, g->in.prefix_src, g->shape.total_prefix, d->width, g->vision, s->w.embed,
                                       (float)sqrt((double)d->width), s->stream));
     gemma_rows r = {g->shape.total_prefix, g->shape.batch, g->shape.max_prefix, g->in.prefix_pos, g->in.prefix_cache_row,
-                    g->in.prefix_segments, g->x, g->h, g->qkv, g->att, g->mlp2, g->mlp};
+                    g->in.prefix_segments, g->x, &g->prefix};
     for (int layer = 0; layer < d->depth; layer++)
         TRY(gemma_block(s, &s->w.llm[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer,
                         layer == d->depth - 1, err));
@@ -348,7 +353,7 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
                             .out = g->action_tokens, .out_f32 = 1, .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->state_token, g->action_tokens, B, H, We, s->stream));
     gemma_rows r = {B * (H + 1), B, H + 1, g->in.suffix_pos, g->in.suffix_cache_row, g->in.suffix_segments,
-                    g->suffix, g->s_h, g->s_qkv, g->s_att, g->s_mlp2, g->s_mlp};
+                    g->suffix, &g->suffix_buffers};
     for (int layer = 0; layer < d->depth; layer++)
         TRY(gemma_block(s, &w->expert[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer, 0,
                         err));

@@ -26,7 +26,8 @@ pi0_status gemm_init(gemm_context *ctx, pi0_error *err) {
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate the cuBLASLt workspace");
     }
     ctx->workspace_size = WORKSPACE_BYTES;
-    ctx->tune = 1;
+    const char *tune = getenv("PI0_GEMM_TUNE"); /* "0": take the heuristic's pick, for a faster first call */
+    ctx->tune = !(tune && !strcmp(tune, "0"));
     return PI0_OK;
 }
 

@@ -10,7 +10,8 @@
  * Algorithm choice: the first time a shape runs outside graph capture, up to TUNE_CANDIDATES of
  * cuBLASLt's heuristic candidates are timed on a scratch output and the fastest is cached; the
  * heuristic's first pick alone is often far from the best for the skinny (M = 11..51) denoise GEMMs.
- * Later calls, and graph capture, reuse the cached choice.
+ * Later calls, and graph capture, reuse the cached choice. PI0_GEMM_TUNE=0 in the environment skips
+ * the timing (a faster first call of each shape).
  */
 #ifndef PI0_CUDA_GEMM_H
 #define PI0_CUDA_GEMM_H
@@ -39,7 +40,7 @@ typedef struct {
     int num_algos, cap_algos;
     void *scratch;          /* timing output, so tuning never touches the real one */
     size_t scratch_size;
-    int tune;               /* 0: take the heuristic's first pick (tests of the wrapper itself) */
+    int tune;               /* 0: take the heuristic's first pick ($PI0_GEMM_TUNE=0) */
 } gemm_context;
 
 pi0_status gemm_init(gemm_context *ctx, pi0_error *err);

@@ -11,10 +11,7 @@
 #include <cuda_runtime_api.h>
 #include <stdint.h>
 
-#ifndef PI0_BF16_DEFINED
-#define PI0_BF16_DEFINED
-typedef uint16_t pi0_bf16; /* bfloat16 bits */
-#endif
+#include "cuda/bf16.h"
 
 #ifdef __cplusplus
 extern "C" {
