@@ -77,7 +77,7 @@ static inline const char *fixtures_dir(void) {
 }
 
 /* A path under this program's own fresh temporary directory; up to 8 returned paths stay valid. */
-static inline const char *tmp_path(const char *leaf) {
+static inline const char *test_path(const char *leaf) {
     static char root[64], ring[8][512];
     static int next;
     char *path = ring[next++ % 8];

@@ -23,7 +23,7 @@ static int run_pi0(char *out, size_t out_size, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(args, sizeof args, fmt, ap);
     va_end(ap);
-    snprintf(cmd, sizeof cmd, "%s %s 2>%s", pi0_bin(), args, tmp_path("stderr.txt"));
+    snprintf(cmd, sizeof cmd, "%s %s 2>%s", pi0_bin(), args, test_path("stderr.txt"));
     FILE *p = popen(cmd, "r");
     if (!p) return -1;
     size_t n = 0;
@@ -38,7 +38,7 @@ static int run_pi0(char *out, size_t out_size, const char *fmt, ...) {
 /* The last command's stderr. */
 static const char *last_stderr(void) {
     static char text[8192];
-    FILE *f = fopen(tmp_path("stderr.txt"), "r");
+    FILE *f = fopen(test_path("stderr.txt"), "r");
     size_t n = f ? fread(text, 1, sizeof text - 1, f) : 0;
     text[n] = 0;
     if (f) fclose(f);
@@ -74,7 +74,7 @@ static double worst_sample_error(const float *a, const float *r, int batch, size
 static void sample_matches_fixture(const char *name) {
     const char *steps_keys[3][2] = {{"10", "actions"}, {"3", "actions_3step"}, {"1", "actions_1step"}};
     for (int i = 0; i < 3; i++) {
-        const char *out_path = tmp_path("actions.safetensors");
+        const char *out_path = test_path("actions.safetensors");
         int rc = run_pi0(NULL, 0, "sample --checkpoint %s/%s --inputs %s/%s/io.safetensors --output %s --steps %s --quiet",
                          fixtures_dir(), name, fixtures_dir(), name, out_path, steps_keys[i][0]);
         REQUIRE(rc == 0, "pi0 sample exited %d: %s", rc, last_stderr());
@@ -118,7 +118,7 @@ static void write_inputs_with(const char *path, const char *replace, st_dtype dt
 }
 
 TEST(sample_bad_inputs) {
-    const char *in = tmp_path("bad_inputs.safetensors"), *out = tmp_path("bad_out.safetensors");
+    const char *in = test_path("bad_inputs.safetensors"), *out = test_path("bad_out.safetensors");
     char ckpt[1024];
     snprintf(ckpt, sizeof ckpt, "%s/pi0_tiny", fixtures_dir());
     static float small_image[2 * 100 * 100 * 3];
@@ -177,7 +177,7 @@ TEST(inspect_fixture) {
 TEST(init_then_bench_json) {
     char cfg[1024];
     snprintf(cfg, sizeof cfg, "%s/pi0_tiny/config.json", fixtures_dir());
-    const char *dir = tmp_path("init_ckpt");
+    const char *dir = test_path("init_ckpt");
     CHECK(run_pi0(NULL, 0, "init --dims %s --output %s --seed 3 --bf16", cfg, dir) == 0, "%s", last_stderr());
     json_t *o = run_json("inspect --checkpoint %s --json%s", dir, "");
     REQUIRE(o);

@@ -200,7 +200,7 @@ TEST(bf16_checkpoint_equals_rounded_f32) {
     fixture f32, bf16;
     REQUIRE(fixture_open(&f32, "pi0_tiny", NULL) == 0);
     char dir[512];
-    snprintf(dir, sizeof dir, "%s", tmp_path("bf16"));
+    snprintf(dir, sizeof dir, "%s", test_path("bf16"));
     pi0_error err = {0};
     REQUIRE(pi0_model_save(f32.model, dir, 1, &err) == PI0_OK, "%s", err.message);
     REQUIRE(fixture_open(&bf16, "pi0_tiny", dir) == 0);
@@ -298,7 +298,7 @@ static pi0_status load_dir(const char *dir, pi0_error *err) {
 #define Q_PROJ "paligemma_with_expert.gemma_expert.model.layers.1.self_attn.q_proj.weight"
 
 TEST(checkpoint_missing_tensor_is_named) {
-    const char *dir = tmp_path("missing");
+    const char *dir = test_path("missing");
     REQUIRE(write_edited(dir, EDIT_DROP, Q_PROJ) == 0);
     pi0_error err = {0};
     CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT);
@@ -307,7 +307,7 @@ TEST(checkpoint_missing_tensor_is_named) {
 }
 
 TEST(checkpoint_misshaped_tensor_names_both_shapes) {
-    const char *dir = tmp_path("misshaped");
+    const char *dir = test_path("misshaped");
     REQUIRE(write_edited(dir, EDIT_RESHAPE, "action_out_proj.weight") == 0);
     pi0_error err = {0};
     CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT);
@@ -316,7 +316,7 @@ TEST(checkpoint_misshaped_tensor_names_both_shapes) {
 }
 
 TEST(checkpoint_wrong_dtype_is_named) {
-    const char *dir = tmp_path("retyped");
+    const char *dir = test_path("retyped");
     REQUIRE(write_edited(dir, EDIT_RETYPE, "state_proj.bias") == 0);
     pi0_error err = {0};
     CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT);
@@ -325,14 +325,14 @@ TEST(checkpoint_wrong_dtype_is_named) {
 
 /* LeRobot-style "model." prefix loads, extra lm_head and unknown tensors are ignored, same actions. */
 TEST(checkpoint_prefix_and_extra_tensors) {
-    const char *dir = tmp_path("prefixed");
+    const char *dir = test_path("prefixed");
     REQUIRE(write_edited(dir, EDIT_PREFIX, NULL) == 0);
     fixture f;
     REQUIRE(fixture_open(&f, "pi0_tiny", dir) == 0);
     double e = actions_error(&f, 10, "actions");
     CHECK(e <= TOL_F32, "prefixed checkpoint: %.3g", e);
     fixture_close(&f);
-    dir = tmp_path("extra");
+    dir = test_path("extra");
     REQUIRE(write_edited(dir, EDIT_EXTRA, NULL) == 0);
     pi0_error err = {0};
     CHECK(load_dir(dir, &err) == PI0_OK, "%s", err.message);
@@ -341,7 +341,7 @@ TEST(checkpoint_prefix_and_extra_tensors) {
 TEST(checkpoint_not_a_pi0_file) {
     pi0_error err = {0};
     CHECK(load_dir("/nonexistent/dir", &err) == PI0_ERR_IO, "%s", err.message);
-    const char *dir = tmp_path("notpi0");
+    const char *dir = test_path("notpi0");
     mkdir(dir, 0755);
     char path[600];
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
@@ -355,7 +355,7 @@ TEST(checkpoint_not_a_pi0_file) {
 }
 
 TEST(checkpoint_bad_config_json) {
-    const char *dir = tmp_path("badconfig");
+    const char *dir = test_path("badconfig");
     REQUIRE(write_edited(dir, EDIT_EXTRA, NULL) == 0);
     char path[600];
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -471,7 +471,7 @@ TEST(random_weights_deterministic_and_saveable) {
     }
     CHECK(same_ab, "same seed gave different weights");
     CHECK(!same_ac, "different seeds gave the same weights");
-    const char *dir = tmp_path("random_saved");
+    const char *dir = test_path("random_saved");
     REQUIRE(pi0_model_save(a, dir, 0, &err) == PI0_OK, "%s", err.message);
     REQUIRE(pi0_model_load(dir, &opts, &reloaded, &err) == PI0_OK, "%s", err.message);
     CHECK(!memcmp(pi0_model_dims(reloaded), &dims, sizeof dims), "dims changed through save/load");

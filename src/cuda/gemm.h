@@ -8,8 +8,8 @@
  * The bias has out's type.
  *
  * Algorithm choice: the first time a shape runs outside graph capture, up to TUNE_CANDIDATES of
- * cuBLASLt's heuristic candidates are timed on a scratch output and the fastest is cached; the
- * heuristic's first pick alone is often far from the best for the skinny (M = 11..51) denoise GEMMs.
+ * cuBLASLt's heuristic candidates are timed on a scratch output and the fastest is cached (on an
+ * H200 the heuristic's first pick was already the fastest for Pi0's shapes: bench/NOTES.md).
  * Later calls, and graph capture, reuse the cached choice. PI0_GEMM_TUNE=0 in the environment skips
  * the timing (a faster first call of each shape).
  */

@@ -145,6 +145,31 @@ TEST(ragged_batch_matches_cpu) {
     io_close(&f);
 }
 
+/* One sample alone (11 suffix rows: the shape of a robot's request) against the CPU backend and the
+ * golden actions, eager and replayed. */
+TEST(single_sample_matches_cpu) {
+    fixture_io f;
+    REQUIRE(io_open(&f, "pi0_tiny") == 0);
+    pi0_model *gpu = load("pi0_tiny", PI0_BACKEND_CUDA), *cpu = load("pi0_tiny", PI0_BACKEND_CPU);
+    REQUIRE(gpu && cpu);
+    pi0_batch one = f.batch;
+    one.batch = 1;
+    one.num_steps = 10;
+    float eager[320], replay[320], ref[320];
+    pi0_error err = {0};
+    REQUIRE(pi0_sample_actions(gpu, &one, eager, NULL, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_sample_actions(gpu, &one, replay, NULL, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_sample_actions(cpu, &one, ref, NULL, &err) == PI0_OK, "%s", err.message);
+    float *golden = f32_of(st_find(&f.io, "actions"));
+    double e_cpu = rel_error(replay, ref, 320), e_gold = rel_error(replay, golden, 320);
+    fprintf(stderr, "  one sample: vs cpu %.3g, vs golden %.3g\n", e_cpu, e_gold);
+    CHECK(e_cpu <= TOL_BF16 && e_gold <= TOL_BF16, "one sample: %.3g %.3g", e_cpu, e_gold);
+    CHECK(memcmp(eager, replay, sizeof eager) == 0, "replay differs from the eager call");
+    free(golden);
+    pi0_model_free(gpu), pi0_model_free(cpu);
+    io_close(&f);
+}
+
 /* Eager (no graph), first graph call (eager, then capture), replays: all bitwise identical. */
 TEST(graph_replay_equals_eager_and_repeats) {
     fixture_io f;
@@ -245,7 +270,11 @@ TEST(full_size_cuda_vs_cpu) {
                        .prompt_ids = ids, .prompt_mask = id_mask, .state = state, .horizon = H, .noise = noise,
                        .num_steps = 10};
     pi0_timings t;
+    float a_one[H * 32];
     REQUIRE(pi0_sample_actions(gpu, &batch, a_gpu, &t, &err) == PI0_OK, "%s", err.message);
+    pi0_batch first = batch; /* sample 0 alone: another shape, another graph */
+    first.batch = 1;
+    REQUIRE(pi0_sample_actions(gpu, &first, a_one, &t, &err) == PI0_OK, "%s", err.message);
     pi0_model_free(gpu);
     REQUIRE(pi0_model_random(&dims, 5, &cpu_opts, &cpu, &err) == PI0_OK, "%s", err.message);
     REQUIRE(pi0_sample_actions(cpu, &batch, a_cpu, &t, &err) == PI0_OK, "%s", err.message);
@@ -255,6 +284,9 @@ TEST(full_size_cuda_vs_cpu) {
         fprintf(stderr, "  sample %d: cuda vs cpu rel error %.3g\n", b, e);
         CHECK(e <= TOL_FULL_SIZE, "sample %d: %.3g > %g", b, e, TOL_FULL_SIZE);
     }
+    double e_one = rel_error(a_one, a_cpu, H * 32);
+    fprintf(stderr, "  sample 0 alone: cuda vs cpu rel error %.3g\n", e_one);
+    CHECK(e_one <= TOL_FULL_SIZE, "sample 0 alone: %.3g > %g", e_one, TOL_FULL_SIZE);
     for (int c = 0; c < 3; c++) free(imgs[c]);
     pi0_model_free(cpu);
 }
@@ -265,6 +297,7 @@ int main(int argc, char **argv) {
     RUN(fixture_pi0_tiny);
     RUN(fixture_pi0_tiny_h50);
     RUN(ragged_batch_matches_cpu);
+    RUN(single_sample_matches_cpu);
     RUN(graph_replay_equals_eager_and_repeats);
     RUN(graph_cache_many_shapes);
     RUN(bad_input_on_cuda);
