@@ -6,6 +6,7 @@
 
 #include "cli.h"
 #include "model/checkpoint.h"
+#include "model/config.h"
 
 static const char *help =
     "usage: pi0 inspect --checkpoint DIR [--json]\n"
@@ -44,11 +45,6 @@ static void inspect_tensors(const checkpoint *ck, const weight_spec *specs, int 
     }
 }
 
-static json_t *stack_json(const pi0_stack_dims *d) {
-    return json_pack("{s:i,s:i,s:i,s:i,s:i,s:i}", "width", d->width, "depth", d->depth, "mlp_dim", d->mlp_dim,
-                     "num_heads", d->num_heads, "num_kv_heads", d->num_kv_heads, "head_dim", d->head_dim);
-}
-
 static json_t *inspection_json(const checkpoint *ck, const inspection *r) {
     const pi0_dims *d = &ck->dims;
     json_t *dtypes = json_object(), *params = json_object();
@@ -63,8 +59,8 @@ static json_t *inspection_json(const checkpoint *ck, const inspection *r) {
     }
     json_object_set_new(params, "total", json_integer((json_int_t)total));
     return json_pack("{s:s,s:{s:o,s:i,s:i,s:o,s:o,s:i,s:i,s:i,s:i},s:o,s:o,s:O,s:O,s:O,s:O}", "prefix", ck->prefix, "dims",
-                     "vision", stack_json(&d->vision), "patch_size", d->patch_size, "image_size", d->image_size, "llm",
-                     stack_json(&d->llm), "expert", stack_json(&d->expert), "vocab_size", d->vocab_size, "action_dim",
+                     "vision", config_stack_json(&d->vision), "patch_size", d->patch_size, "image_size", d->image_size, "llm",
+                     config_stack_json(&d->llm), "expert", config_stack_json(&d->expert), "vocab_size", d->vocab_size, "action_dim",
                      d->action_dim, "action_horizon", d->action_horizon, "max_token_len", d->max_token_len, "dtypes",
                      dtypes, "params", params, "missing", r->missing, "misshaped", r->misshaped, "unused", r->unused,
                      "ignored", r->ignored);

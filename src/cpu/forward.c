@@ -18,7 +18,6 @@
 #include "util/error.h"
 
 #define NORM_EPS 1e-6f
-#define MAX_STEPS_STACK 64
 
 /* Scratch of one Gemma block over `rows` rows; sized for the larger of prefix and suffix use. */
 typedef struct {
@@ -104,7 +103,7 @@ static pi0_status vision_forward(const pi0_model *m, const pi0_plan *p, float *o
     const pi0_dims *d = &m->dims;
     const pi0_weights *w = &m->weights;
     const pi0_stack_dims *v = &d->vision;
-    int grid = d->image_size / d->patch_size, P = grid * grid, patch_dim = 3 * d->patch_size * d->patch_size;
+    int P = image_tokens(d), patch_dim = 3 * d->patch_size * d->patch_size;
     int Dv = v->width, n = p->num_images;
     size_t rows = (size_t)n * P;
     if (n == 0) return PI0_OK;
@@ -153,7 +152,7 @@ done:
 
 /* Packs [image tokens, prompt embeddings * sqrt(width)] of every sample into x (total_prefix, D). */
 static void embed_prefix(const pi0_model *m, const pi0_plan *p, const float *vision_tokens, float *x) {
-    int D = m->dims.llm.width, P = (m->dims.image_size / m->dims.patch_size) * (m->dims.image_size / m->dims.patch_size);
+    int D = m->dims.llm.width, P = image_tokens(&m->dims);
     float scale = (float)sqrt((double)D);
     for (int b = 0; b < p->batch; b++) {
         float *row = x + (size_t)p->prefix_start[b] * D;
@@ -272,7 +271,7 @@ static pi0_status denoise(const pi0_model *m, const pi0_plan *p, float **cache_k
     cpu_linear(b.state_token, p->state, p->batch, d->action_dim, m->weights.state_proj_w, m->weights.state_proj_b,
                d->expert.width);
     memcpy(actions, p->noise, n * sizeof(float));
-    float dt = -1.0f / (float)p->num_steps, t[MAX_STEPS_STACK], *times = p->num_steps <= MAX_STEPS_STACK ? t : malloc(sizeof(float) * p->num_steps);
+    float dt = -1.0f / (float)p->num_steps, *times = malloc(sizeof(float) * p->num_steps);
     pi0_status st = times ? PI0_OK : pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the denoise loop");
     if (times) flow_times(p->num_steps, times);
     for (int step = 0; times && step < p->num_steps; step++) {
@@ -282,7 +281,7 @@ static pi0_status denoise(const pi0_model *m, const pi0_plan *p, float **cache_k
         }
         for (size_t i = 0; i < n; i++) actions[i] += dt * b.velocity[i];
     }
-    if (times != t) free(times);
+    free(times);
     denoise_free(&b);
     return st;
 }
@@ -307,7 +306,7 @@ static float **alloc_cache(int depth, size_t floats_per_layer) {
 static void trace_copy(cpu_trace *trace, const pi0_model *m, const pi0_plan *p, const float *vision_tokens,
                        float **cache_k, float **cache_v) {
     const pi0_dims *d = &m->dims;
-    int P = (d->image_size / d->patch_size) * (d->image_size / d->patch_size);
+    int P = image_tokens(d);
     size_t cache_floats = (size_t)p->cache_rows * d->llm.num_kv_heads * d->llm.head_dim;
     if (trace->vision_tokens)
         memcpy(trace->vision_tokens, vision_tokens, (size_t)p->num_images * P * d->llm.width * sizeof(float));
@@ -320,7 +319,7 @@ static void trace_copy(cpu_trace *trace, const pi0_model *m, const pi0_plan *p, 
 pi0_status cpu_sample_traced(const pi0_model *m, const pi0_plan *p, float *actions, pi0_timings *timings,
                              cpu_trace *trace, pi0_error *err) {
     const pi0_dims *d = &m->dims;
-    int P = (d->image_size / d->patch_size) * (d->image_size / d->patch_size);
+    int P = image_tokens(d);
     size_t cache_floats = (size_t)p->cache_rows * d->llm.num_kv_heads * d->llm.head_dim;
     float *vision_tokens = malloc((size_t)p->num_images * P * d->llm.width * sizeof(float) + 1);
     float *x = malloc((size_t)p->total_prefix * d->llm.width * sizeof(float) + 1);

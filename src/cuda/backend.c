@@ -60,10 +60,6 @@ struct cuda_graph {
         if (st_) return st_;                     \
     } while (0)
 
-static int tokens_per_image(const pi0_dims *d) {
-    return (d->image_size / d->patch_size) * (d->image_size / d->patch_size);
-}
-
 /* ---- graph memory --------------------------------------------------------------------------- */
 
 /* Hands out aligned offsets from a base; with base 0 it only measures. */
@@ -104,7 +100,7 @@ static void carve_gemma(carver *c, gemma_buffers *b, size_t rows, const pi0_stac
 
 static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     const graph_shape *sh = &g->shape;
-    size_t NP = (size_t)sh->num_images * tokens_per_image(d), T = (size_t)sh->total_prefix;
+    size_t NP = (size_t)sh->num_images * image_tokens(d), T = (size_t)sh->total_prefix;
     size_t B = (size_t)sh->batch, R = B * (sh->horizon + 1), BH = B * sh->horizon;
     size_t Dv = (size_t)d->vision.width, D = (size_t)d->llm.width, We = (size_t)d->expert.width;
     size_t kv_dim = (size_t)d->llm.num_kv_heads * d->llm.head_dim, cache_rows = T + R, bf = sizeof(pi0_bf16);
@@ -167,7 +163,7 @@ static int time_biases(const pi0_model *m, int steps, float *out) {
 
 static pi0_status graph_constants(cuda_graph *g, const pi0_model *m, pi0_error *err) {
     const pi0_dims *d = &m->dims;
-    int P = tokens_per_image(d), We = d->expert.width, A = d->action_dim, steps = g->shape.num_steps;
+    int P = image_tokens(d), We = d->expert.width, A = d->action_dim, steps = g->shape.num_steps;
     size_t bytes = (size_t)g->shape.num_images * sizeof(attn_segment) + ((size_t)steps * We + A) * sizeof(float);
     char *host = malloc(bytes + 1);
     if (!host) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
@@ -236,7 +232,7 @@ static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan 
     const pi0_dims *d = &m->dims;
     const graph_inputs *in = &g->in_host;
     size_t image = (size_t)d->image_size * d->image_size * 3, B = (size_t)p->batch, R = B * (p->horizon + 1);
-    int P = tokens_per_image(d);
+    int P = image_tokens(d);
     for (int i = 0; i < p->num_images; i++) memcpy(in->images + i * image, p->images[i], image * sizeof(float));
     memcpy(in->state, p->state, B * d->action_dim * sizeof(float));
     memcpy(in->x_t, p->noise, B * p->horizon * d->action_dim * sizeof(float));
@@ -297,7 +293,7 @@ static pi0_status vision_forward(cuda_state *s, const pi0_model *m, cuda_graph *
     const pi0_dims *d = &m->dims;
     const pi0_stack_dims *v = &d->vision;
     const gpu_weights *w = &s->w;
-    int n = g->shape.num_images, P = tokens_per_image(d), rows = n * P, Dv = v->width;
+    int n = g->shape.num_images, P = image_tokens(d), rows = n * P, Dv = v->width;
     int patch_dim = 3 * d->patch_size * d->patch_size;
     if (n == 0) return PI0_OK;
     CUDA_TRY(pi0_cuda_im2col(g->patches, g->in.images, n, d->image_size, d->patch_size, s->stream));

@@ -8,20 +8,13 @@
  *    so each denoise step maps the 32 action dims straight to the time MLP's hidden layer; the
  *    time half of that layer depends only on the step and is precomputed per graph (backend.c).
  */
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/ops.h"
 #include "cuda/backend.h"
+#include "util/bf16.h"
 #include "util/error.h"
-
-/* Round-to-nearest-even float32 -> bfloat16 bits. */
-static uint16_t to_bf16(float x) {
-    uint32_t b;
-    memcpy(&b, &x, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);
-    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
 
 void *cuda_alloc(cuda_state *s, size_t bytes, pi0_error *err) {
     void *p = NULL;
@@ -55,7 +48,7 @@ static void *upload(cuda_state *s, const part *parts, int num_parts, int bf16, p
     if (dev) {
         for (int i = 0; i < num_parts; i++, at += parts[i - 1].count) {
             if (bf16)
-                for (size_t j = 0; j < parts[i].count; j++) ((uint16_t *)host)[at + j] = to_bf16(parts[i].data[j]);
+                for (size_t j = 0; j < parts[i].count; j++) ((uint16_t *)host)[at + j] = f32_to_bf16(parts[i].data[j]);
             else memcpy((float *)host + at, parts[i].data, parts[i].count * sizeof(float));
         }
         if (cudaMemcpy(dev, host, total * elem, cudaMemcpyHostToDevice) != cudaSuccess) {
@@ -111,21 +104,14 @@ static float *fold_time_in(const pi0_weights *w, int We, int A) {
     return fold;
 }
 
-/* RoPE tables for every position a plan may use, computed in double. */
+/* RoPE tables for every position a plan may use: the CPU backend's, so both rotate alike. */
 static int upload_rope(cuda_state *s, int head_dim, pi0_error *err) {
-    int half = head_dim / 2;
-    size_t n = (size_t)ROPE_MAX_POS * half;
-    float *c = malloc(n * sizeof(float)), *sn = malloc(n * sizeof(float));
-    if (c && sn)
-        for (int p = 0; p < ROPE_MAX_POS; p++)
-            for (int i = 0; i < half; i++) {
-                double r = p / pow(10000.0, 2.0 * i / head_dim);
-                c[(size_t)p * half + i] = (float)cos(r);
-                sn[(size_t)p * half + i] = (float)sin(r);
-            }
-    s->w.rope_cos = c ? UP_F32({c, n}) : NULL;
-    s->w.rope_sin = sn ? UP_F32({sn, n}) : NULL;
-    free(c), free(sn);
+    cpu_rope_table t = {0};
+    size_t n = (size_t)ROPE_MAX_POS * (head_dim / 2);
+    int ok = cpu_rope_table_init(&t, ROPE_MAX_POS, head_dim) == 0;
+    s->w.rope_cos = ok ? UP_F32({t.cos, n}) : NULL;
+    s->w.rope_sin = ok ? UP_F32({t.sin, n}) : NULL;
+    cpu_rope_table_free(&t);
     return s->w.rope_cos && s->w.rope_sin ? 0 : -1;
 }
 
@@ -134,7 +120,7 @@ pi0_status cuda_weights_upload(cuda_state *s, const pi0_model *m, pi0_error *err
     const pi0_weights *w = &m->weights;
     gpu_weights *g = &s->w;
     int Dv = d->vision.width, D = d->llm.width, We = d->expert.width, A = d->action_dim;
-    int P = (d->image_size / d->patch_size) * (d->image_size / d->patch_size), patch_dim = 3 * d->patch_size * d->patch_size;
+    int P = image_tokens(d), patch_dim = 3 * d->patch_size * d->patch_size;
     s->max_allocations = 64 + 16 * d->vision.depth + 8 * (d->llm.depth + d->expert.depth);
     s->allocations = calloc((size_t)s->max_allocations, sizeof(void *));
     g->vit = calloc((size_t)d->vision.depth, sizeof *g->vit);

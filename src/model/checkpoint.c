@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include "model/config.h"
+#include "util/bf16.h"
 #include "util/error.h"
 
 #define ANCHOR "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
@@ -96,15 +97,6 @@ pi0_status checkpoint_read(const checkpoint *ck, const weight_spec *specs, int c
         if (progress) progress(user, "loading weights", done, total);
     }
     return PI0_OK;
-}
-
-/* Round-to-nearest-even float32 -> bfloat16 (NaN stays NaN). */
-static uint16_t f32_to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
 }
 
 pi0_status checkpoint_write(const char *dir, const pi0_dims *dims, const weight_spec *specs, int count, int bf16,

@@ -256,14 +256,14 @@ pi0_status dims_validate(const pi0_dims *d, pi0_error *err) {
     return PI0_OK;
 }
 
-static json_t *stack_json(const pi0_stack_dims *d) {
+json_t *config_stack_json(const pi0_stack_dims *d) {
     return json_pack("{s:i,s:i,s:i,s:i,s:i,s:i}", "width", d->width, "depth", d->depth, "mlp_dim", d->mlp_dim,
                      "num_heads", d->num_heads, "num_kv_heads", d->num_kv_heads, "head_dim", d->head_dim);
 }
 
 pi0_status config_write(const pi0_dims *d, const char *path, int bf16, pi0_error *err) {
-    json_t *dims = json_pack("{s:o,s:o,s:o,s:i,s:i,s:i}", "vision", stack_json(&d->vision), "llm", stack_json(&d->llm),
-                             "expert", stack_json(&d->expert), "vocab", d->vocab_size, "patch", d->patch_size,
+    json_t *dims = json_pack("{s:o,s:o,s:o,s:i,s:i,s:i}", "vision", config_stack_json(&d->vision), "llm",
+                             config_stack_json(&d->llm), "expert", config_stack_json(&d->expert), "vocab", d->vocab_size, "patch", d->patch_size,
                              "image_size", d->image_size);
     json_t *root = json_pack("{s:i,s:i,s:i,s:s,s:s,s:s,s:o}", "action_dim", d->action_dim, "action_horizon",
                              d->action_horizon, "max_token_len", d->max_token_len, "paligemma_variant", "custom",

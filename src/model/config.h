@@ -6,6 +6,8 @@
 #ifndef PI0_MODEL_CONFIG_H
 #define PI0_MODEL_CONFIG_H
 
+#include <jansson.h>
+
 #include "io/safetensors.h"
 #include "pi0.h"
 
@@ -19,6 +21,9 @@ pi0_status dims_validate(const pi0_dims *dims, pi0_error *err);
 /* Reads every dim from a config.json-style file (the `dims` block config_write writes; the real Pi0
  * dims fill whatever it leaves out). For building random models of any size. */
 pi0_status config_load_dims(const char *path, pi0_dims *dims, pi0_error *err);
+
+/* {width, depth, mlp_dim, num_heads, num_kv_heads, head_dim} of one stack, as config.json holds it. */
+json_t *config_stack_json(const pi0_stack_dims *d);
 
 /* Writes config.json in openpi's format plus a `dims` block. */
 pi0_status config_write(const pi0_dims *dims, const char *path, int bf16, pi0_error *err);

@@ -101,7 +101,7 @@ pi0_status plan_build(const pi0_dims *dims, const pi0_batch *b, pi0_plan *p, pi0
     memset(p, 0, sizeof *p);
     pi0_status st = check_batch(dims, b, err);
     if (st) return st;
-    int B = b->batch, tokens_per_image = (dims->image_size / dims->patch_size) * (dims->image_size / dims->patch_size);
+    int B = b->batch, tokens_per_image = image_tokens(dims);
     p->batch = B;
     p->horizon = b->horizon ? b->horizon : dims->action_horizon;
     p->num_steps = b->num_steps ? b->num_steps : 10;

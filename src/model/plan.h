@@ -51,6 +51,11 @@ typedef struct {
     float *noise_owned;
 } pi0_plan;
 
+/* Tokens one camera image contributes: one per patch. */
+static inline int image_tokens(const pi0_dims *d) {
+    return (d->image_size / d->patch_size) * (d->image_size / d->patch_size);
+}
+
 /* Validates `batch` against `dims` (shapes, token ids, limits) and builds the plan. */
 pi0_status plan_build(const pi0_dims *dims, const pi0_batch *batch, pi0_plan *plan, pi0_error *err);
 void plan_free(pi0_plan *plan);
