@@ -8,6 +8,8 @@
 #
 # Dependencies: OpenBLAS (GEMMs) and jansson (JSON), found through pkg-config; override
 # BLAS_CFLAGS/BLAS_LIBS/JSON_CFLAGS/JSON_LIBS to point elsewhere. CUDA is used when nvcc is found.
+# The server side (`pi0 infer`, `pi0 serve`) needs msgpack-c and libwebsockets; without them the
+# library and the other commands still build.
 
 BUILD ?= build
 CC ?= cc
@@ -24,9 +26,25 @@ CFLAGS_ALL = -std=c11 $(OPT) -g -Wall -Wextra -Werror -Wshadow -Wstrict-prototyp
              -D_GNU_SOURCE -Iinclude -Isrc $(BLAS_CFLAGS) $(JSON_CFLAGS) $(SANITIZE) $(CFLAGS)
 LDLIBS_ALL = $(BLAS_LIBS) $(JSON_LIBS) -fopenmp -lm -lpthread $(SANITIZE) $(LDLIBS)
 
-LIB_SRC = $(wildcard src/*.c src/util/*.c src/io/*.c src/model/*.c src/cpu/*.c src/policy/*.c)
-CLI_SRC = $(wildcard cli/*.c)
-TEST_SRC = $(wildcard tests/test_*.c)
+# The wire format, the policy, the server and their commands: only with msgpack-c and libwebsockets.
+SERVER_LIB_SRC = $(wildcard src/io/msgpack_numpy.c src/policy/policy.c src/server/*.c)
+SERVER_CLI_SRC = $(wildcard cli/infer.c cli/serve.c)
+SERVER_TEST_SRC = $(wildcard tests/test_msgpack_numpy.c tests/test_policy.c tests/test_server.c)
+WITH_SERVER ?= $(shell $(PKG_CONFIG) --exists msgpack libwebsockets 2>/dev/null && echo 1)
+SERVER_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags msgpack libwebsockets 2>/dev/null)
+SERVER_LIBS ?= $(shell $(PKG_CONFIG) --libs msgpack libwebsockets 2>/dev/null || echo -lmsgpackc -lwebsockets)
+
+LIB_SRC = $(filter-out $(SERVER_LIB_SRC),$(wildcard src/*.c src/util/*.c src/io/*.c src/model/*.c src/cpu/*.c \
+          src/policy/*.c src/server/*.c))
+CLI_SRC = $(filter-out $(SERVER_CLI_SRC),$(wildcard cli/*.c))
+TEST_SRC = $(filter-out $(SERVER_TEST_SRC),$(wildcard tests/test_*.c))
+ifeq ($(WITH_SERVER),1)
+LIB_SRC += $(SERVER_LIB_SRC)
+CLI_SRC += $(SERVER_CLI_SRC)
+TEST_SRC += $(SERVER_TEST_SRC)
+CFLAGS_ALL += -DPI0_WITH_SERVER $(SERVER_CFLAGS)
+LDLIBS_ALL += $(SERVER_LIBS)
+endif
 
 # --- CUDA (optional) ----------------------------------------------------------------------------
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
@@ -97,7 +115,8 @@ test-asan:
 
 # Installs what the build and the tests need: Debian packages (when missing) and PyPI packages the
 # cross-checks against the reference libraries use. Uses sudo when not root.
-APT_PACKAGES = build-essential pkg-config libopenblas-openmp-dev libjansson-dev python3-pip
+APT_PACKAGES = build-essential pkg-config libopenblas-openmp-dev libjansson-dev libmsgpack-dev libwebsockets-dev \
+               python3-pip
 PIP_PACKAGES = numpy sentencepiece pillow
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 deps:
