@@ -34,11 +34,20 @@ typedef enum { PI0_FIELD_ARRAY, PI0_FIELD_STRING } pi0_field_kind;
  * LIBERO key "observation/image" and ALOHA's nested {"images": {"cam_high": ...}} ("images/cam_high")
  * are looked up the same way.
  *
- * ARRAY: numpy arrays; numpy scalars, plain msgpack numbers and bools (ndim 0: F64, I64/U64 or BOOL);
- *        lists of numbers (ndim 1, F64). `data` is an owned, aligned copy in host byte order
- *        (big-endian dtypes are swapped) holding product(shape) elements.
+ * ARRAY: numpy arrays, in their own dtype; numpy scalars, plain msgpack numbers and bools (ndim 0: F64,
+ *        I64/U64 or BOOL: a numpy scalar by its kind, float/signed/unsigned/bool, its value checked against
+ *        its dtype; a plain int is I64 unless only U64 holds it); lists of numbers, plain or numpy scalars
+ *        (ndim 1, F64). `data` is an owned copy, 64-byte aligned and never NULL, in host byte order
+ *        (big-endian dtypes are swapped) holding product(shape) elements; BOOL bytes are exactly 0 or 1;
+ *        F16 holds IEEE half bits.
  * STRING: msgpack str (or bin holding valid UTF-8 without NUL), NUL-terminated.
  * nil values are skipped; other values (ext, lists of non-numbers) are an error naming the key.
+ *
+ * Refused, with the key named: non-string, empty or non-UTF-8 keys; a key twice in one map or twice
+ * after flattening; unknown fields in a numpy map; a shape whose product overflows or differs from the
+ * data size; dtypes other than b1, u1..u8, i1..i8, f2, f4, f8 (any byte order: <, >, | or =).
+ * Limits, far above real observations: 16 levels of nesting, 2^20 msgpack values (list elements, keys,
+ * ...) per frame, 4096 fields, 1024 bytes per joined key path.
  */
 typedef struct {
     char *key;
@@ -56,7 +65,7 @@ typedef struct {
 } pi0_observation;
 
 /* Decodes one msgpack map. On failure *out is empty and err (PI0_ERR_FORMAT or
- * PI0_ERR_OUT_OF_MEMORY) says what was wrong and where. */
+ * PI0_ERR_OUT_OF_MEMORY; PI0_ERR_INVALID_ARGUMENT for NULL pointers) says what was wrong and where. */
 pi0_status pi0_observation_decode(const void *data, size_t size, pi0_observation *out, pi0_error *err);
 void pi0_observation_free(pi0_observation *obs);
 /* The field named `key`, or NULL. */

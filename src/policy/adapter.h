@@ -10,12 +10,17 @@
  *           right_wrist_0_rgb: zeros, mask false; state <- observation/joint_position (7) ++
  *           observation/gripper_position (1); 8 action dims.
  * Generic: a JSON file, e.g.
- *   {"name": "my_arm",
- *    "cameras": ["images/top", "images/wrist", null],     model camera order; null = absent (mask false)
- *    "state": ["joints", "gripper"],                       concatenated in this order, each flattened
- *    "prompt": "prompt",                                   key of the instruction string (optional)
+ *   {"name": "my_arm",                                     optional; default: the file name without .json
+ *    "cameras": ["images/top", "images/wrist", null],     model camera order (1..8); null = absent (mask false)
+ *    "state": ["joints", "gripper"],                       concatenated in this order (1..16 keys), each a
+ *                                                          number or a vector of any numeric dtype
+ *    "prompt": "prompt",                                   key of the instruction string; optional: absent
+ *                                                          means "prompt", null means prompts are not read
  *    "default_prompt": "pick up the cup",                  used when the key is missing (optional)
- *    "action_dims": 7}
+ *    "action_dims": 7}                                     the first action_dims of the model's actions
+ * Unknown keys, duplicate keys, empty key strings, all-null cameras and no prompt source at all (null
+ * "prompt" without "default_prompt") are refused with PI0_ERR_FORMAT naming the file and the key.
+ * Nested observation maps are flattened with '/' (msgpack_numpy.h), so "images/top" finds {"images": {"top"}}.
  */
 #ifndef PI0_POLICY_ADAPTER_H
 #define PI0_POLICY_ADAPTER_H
@@ -36,7 +41,8 @@ typedef struct {
     int action_dims;
 } pi0_adapter;
 
-/* "libero", "droid", or the path of a generic adapter JSON file. */
+/* "libero", "droid", or the path of a generic adapter JSON file (a name that is neither and no readable file:
+ * PI0_ERR_IO). On failure *out is NULL. */
 pi0_status pi0_adapter_open(const char *name_or_path, pi0_adapter **out, pi0_error *err);
 void pi0_adapter_free(pi0_adapter *a);
 

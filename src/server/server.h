@@ -6,6 +6,14 @@
  * queued; the inference thread takes up to `max_batch` of them, waiting at most `batch_wait_ms` after the
  * first for more, and runs them as one pi0_policy_infer call. A bad request gets a text frame with the
  * error and a close with code 1011; other clients are not affected. GET /healthz answers 200 "OK\n".
+ *
+ * Every reply carries openpi's fields: `actions` (float64, (horizon, action_dims)), `policy_timing` {infer_ms:
+ * the batched policy call} and `server_timing` {infer_ms: decoded request to packed reply, prev_total_ms: the
+ * connection's previous request from its first byte to its reply written (from the 2nd request on), and ours:
+ * batch_size, queue_ms}. The metadata frame is {engine, adapter, action_horizon, action_dims, action_dim,
+ * backend, max_batch, batch_wait_ms}.
+ *
+ * The library prints nothing: the per-connection lines and errors go to `log` when it is set.
  */
 #ifndef PI0_SERVER_SERVER_H
 #define PI0_SERVER_SERVER_H
@@ -25,9 +33,12 @@ typedef struct {
     size_t max_frame_bytes;  /* larger request frames are refused; 0 = 64 MiB */
     int has_seed;            /* every request uses noise from `seed` (reproducible); else a fresh seed each */
     uint64_t seed;
-    int quiet;               /* no per-connection log lines on stderr */
+    int quiet;               /* no per-connection log lines (only start-up failures, through `err`) */
     /* Called once the socket listens, with the bound port (may be NULL). */
     void (*on_listen)(void *user, int port);
+    /* One line (no newline) per connect, disconnect, refused request, and a summary at shutdown; may be NULL.
+     * Called from the network thread. */
+    void (*log)(void *user, const char *line);
     void *user;
 } pi0_server_options;
 
