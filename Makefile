@@ -8,6 +8,8 @@
 #
 # Dependencies: OpenBLAS (GEMMs) and jansson (JSON), found through pkg-config; override
 # BLAS_CFLAGS/BLAS_LIBS/JSON_CFLAGS/JSON_LIBS to point elsewhere. CUDA is used when nvcc is found.
+# The server side (`pi0 infer`, `pi0 serve`) needs msgpack-c and libwebsockets; without them the
+# library and the other commands still build.
 
 BUILD ?= build
 CC ?= cc
@@ -24,9 +26,28 @@ CFLAGS_ALL = -std=c11 $(OPT) -g -Wall -Wextra -Werror -Wshadow -Wstrict-prototyp
              -D_GNU_SOURCE -Iinclude -Isrc $(BLAS_CFLAGS) $(JSON_CFLAGS) $(SANITIZE) $(CFLAGS)
 LDLIBS_ALL = $(BLAS_LIBS) $(JSON_LIBS) -fopenmp -lm -lpthread $(SANITIZE) $(LDLIBS)
 
-LIB_SRC = $(wildcard src/*.c src/util/*.c src/io/*.c src/model/*.c src/cpu/*.c src/policy/*.c)
-CLI_SRC = $(wildcard cli/*.c)
-TEST_SRC = $(wildcard tests/test_*.c)
+# The wire format, the policy, the server and their commands: only with msgpack-c and libwebsockets.
+SERVER_LIB_SRC = $(wildcard src/io/msgpack_numpy.c src/policy/policy.c src/server/*.c)
+SERVER_CLI_SRC = $(wildcard cli/infer.c cli/serve.c)
+SERVER_TEST_SRC = $(wildcard tests/test_msgpack_numpy.c tests/test_policy.c tests/test_infer.c tests/test_server.c)
+SERVER_TOOL_SRC = $(wildcard tests/msgpack_tool.c)
+WITH_SERVER ?= $(shell $(PKG_CONFIG) --exists msgpack libwebsockets 2>/dev/null && echo 1)
+SERVER_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags msgpack libwebsockets 2>/dev/null)
+SERVER_LIBS ?= $(shell $(PKG_CONFIG) --libs msgpack libwebsockets 2>/dev/null || echo -lmsgpackc -lwebsockets)
+
+LIB_SRC = $(filter-out $(SERVER_LIB_SRC),$(wildcard src/*.c src/util/*.c src/io/*.c src/model/*.c src/cpu/*.c \
+          src/policy/*.c src/server/*.c))
+CLI_SRC = $(filter-out $(SERVER_CLI_SRC),$(wildcard cli/*.c))
+TEST_SRC = $(filter-out $(SERVER_TEST_SRC),$(wildcard tests/test_*.c))
+TOOL_SRC = $(filter-out $(SERVER_TOOL_SRC),$(wildcard tests/*_tool.c))
+ifeq ($(WITH_SERVER),1)
+LIB_SRC += $(SERVER_LIB_SRC)
+CLI_SRC += $(SERVER_CLI_SRC)
+TEST_SRC += $(SERVER_TEST_SRC)
+TOOL_SRC += $(SERVER_TOOL_SRC)
+CFLAGS_ALL += -DPI0_WITH_SERVER $(SERVER_CFLAGS)
+LDLIBS_ALL += $(SERVER_LIBS)
+endif
 
 # --- CUDA (optional) ----------------------------------------------------------------------------
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
@@ -49,7 +70,7 @@ endif
 LIB_OBJ = $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(WITH_CUDA),$(CUDA_SRC:%.cu=$(BUILD)/%.cu.o))
 CLI_OBJ = $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_BIN = $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
-TOOL_BIN = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/*_tool.c))
+TOOL_BIN = $(patsubst tests/%.c,$(BUILD)/tests/%,$(TOOL_SRC))
 
 .PHONY: all run test test-asan test-gpu deps clean
 all: $(BUILD)/libpi0.a $(BUILD)/libpi0.so $(BUILD)/pi0
@@ -86,7 +107,8 @@ run: $(BUILD)/pi0
 # The GPU tests are built here too (so a CPU-only machine with nvcc still compiles every CUDA
 # source and GPU test), but only run by test-gpu.
 test: $(TEST_BIN) $(GPU_TEST_BIN) $(TOOL_BIN) $(BUILD)/pi0
-	PI0_BIN=$(BUILD)/pi0 PI0_TOOLS=$(BUILD)/tests PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(TEST_BIN) tests/crosscheck.sh
+	PI0_BIN=$(BUILD)/pi0 PI0_TOOLS=$(BUILD)/tests PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(TEST_BIN) tests/crosscheck.sh \
+	  $(if $(filter 1,$(WITH_SERVER)),tests/server.sh)
 
 test-gpu: $(GPU_TEST_BIN) $(BUILD)/pi0
 	@test -n "$(GPU_TEST_BIN)" || { echo "test-gpu needs nvcc (CUDA toolkit) at build time"; exit 1; }
@@ -97,14 +119,19 @@ test-asan:
 
 # Installs what the build and the tests need: Debian packages (when missing) and PyPI packages the
 # cross-checks against the reference libraries use. Uses sudo when not root.
-APT_PACKAGES = build-essential pkg-config libopenblas-openmp-dev libjansson-dev python3-pip
-PIP_PACKAGES = numpy sentencepiece pillow
+APT_PACKAGES = build-essential pkg-config libopenblas-openmp-dev libjansson-dev libmsgpack-dev libwebsockets-dev \
+               python3-pip
+# openpi-client pins numpy<2 although the modules the tests use (msgpack_numpy, websocket_client_policy)
+# work with numpy 2: it is installed without its dependencies, which are listed here instead.
+PIP_PACKAGES = numpy sentencepiece pillow msgpack websockets typing_extensions
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 deps:
 	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES); }
-	@python3 -c "import numpy, sentencepiece, PIL" 2>/dev/null || \
-	  python3 -m pip install -q $(PIP_PACKAGES) || python3 -m pip install -q --break-system-packages $(PIP_PACKAGES)
+	@python3 -c "import numpy, sentencepiece, PIL, msgpack, openpi_client.msgpack_numpy, openpi_client.websocket_client_policy" 2>/dev/null || \
+	  { python3 -m pip install -q $(PIP_PACKAGES) && python3 -m pip install -q --no-deps openpi-client; } || \
+	  { python3 -m pip install -q --break-system-packages $(PIP_PACKAGES) && \
+	    python3 -m pip install -q --break-system-packages --no-deps openpi-client; }
 
 clean:
 	rm -rf build build-asan

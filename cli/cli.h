@@ -16,6 +16,8 @@ int cmd_sample(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_init(int argc, char **argv);
+int cmd_infer(int argc, char **argv); /* only in builds with PI0_WITH_SERVER */
+int cmd_serve(int argc, char **argv);
 
 /* Prints "pi0 CMD: message" to stderr and returns EXIT_USAGE. */
 int usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

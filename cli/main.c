@@ -14,6 +14,8 @@ static const char *usage =
     "  bench     time inference on a checkpoint or on built-in random weights\n"
     "  inspect   show a checkpoint's dims, dtypes, parameter counts, unused and missing tensors\n"
     "  init      write a checkpoint of random weights (any dims)\n"
+    "  infer     one robot observation (msgpack, as on the wire) to actions, through the policy\n"
+    "  serve     the openpi websocket policy server, batching concurrent requests\n"
     "\n"
     "Run 'pi0 COMMAND --help' for a command's options.\n"
     "Exit codes: 0 success, 1 the work failed, 2 bad command line.\n";
@@ -28,6 +30,15 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "inspect")) return cmd_inspect(argc - 1, argv + 1);
     if (!strcmp(cmd, "init")) return cmd_init(argc - 1, argv + 1);
+    if (!strcmp(cmd, "infer") || !strcmp(cmd, "serve")) {
+#ifdef PI0_WITH_SERVER
+        return (cmd[0] == 'i' ? cmd_infer : cmd_serve)(argc - 1, argv + 1);
+#else
+        fprintf(stderr, "pi0 %s: this build has no server support (it needs msgpack-c and libwebsockets: "
+                        "install libmsgpack-dev and libwebsockets-dev, then rebuild)\n", cmd);
+        return EXIT_FAILURE_RUN;
+#endif
+    }
     fprintf(stderr, "pi0: unknown command '%s'\n%s", cmd, usage);
     return EXIT_USAGE;
 }

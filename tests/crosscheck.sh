@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Cross-checks against the reference libraries from PyPI: the C tokenizer against sentencepiece on
-# thousands of random strings, and image resizing against Pillow bit for bit. Needs the tools built
+# thousands of random strings, image resizing against Pillow bit for bit, and (in builds with the server
+# libraries) the msgpack wire codec against openpi-client's msgpack_numpy. Needs the tools built
 # by `make test` ($PI0_TOOLS, default build/tests) and `make deps` for the Python packages.
 set -u
 tools=${PI0_TOOLS:-build/tests}
@@ -13,5 +14,7 @@ check() {
 }
 check tokenizer_vs_sentencepiece python3 tests/tokenizer_vs_sentencepiece.py "$tools/tokenize_tool" "$fixtures/tokenizer/tok.model"
 check image_vs_pillow python3 tests/image_vs_pillow.py "$tools/image_tool"
+# Only in builds with the server libraries (msgpack-c, libwebsockets), which build msgpack_tool.
+[ -x "$tools/msgpack_tool" ] && check msgpack_vs_openpi python3 tests/msgpack_vs_openpi.py "$tools/msgpack_tool"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,0 +1,126 @@
+/* serve.c - `pi0 serve`: openpi's websocket policy server (a drop-in for openpi's serve_policy.py). */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "server/server.h"
+
+static const char *help =
+    "usage: pi0 serve --checkpoint DIR --adapter libero|droid|FILE.json [--host 127.0.0.1] [--port 8000]\n"
+    "                 [--max-batch 8] [--batch-wait-ms 2] [--max-frame-mb 64] [--tokenizer PATH]\n"
+    "                 [--norm-stats PATH] [--steps N] [--seed N] [--backend auto|cpu|cuda] [--quiet]\n"
+    "\n"
+    "Serves the policy over openpi's websocket protocol: openpi_client's WebsocketClientPolicy connects to\n"
+    "ws://HOST:PORT, gets a metadata map, then sends msgpack observations and gets back\n"
+    "{\"actions\", \"policy_timing\", \"server_timing\"}. A bad request gets a text frame with the error and\n"
+    "a close with code 1011. GET /healthz answers 200 \"OK\". SIGINT/SIGTERM finish the requests in\n"
+    "flight, close every connection (code 1001) and exit 0.\n"
+    "\n"
+    "Requests from different clients that arrive together run as one batch:\n"
+    "  --max-batch N        at most N observations per policy call (1..64, default 8)\n"
+    "  --batch-wait-ms T    after a request arrives at an idle server, wait up to T ms for others to join\n"
+    "                       its batch (default 2; 0 = never wait: under load, batches still form from\n"
+    "                       the requests that queued while the previous batch ran)\n"
+    "  --max-frame-mb N     refuse requests larger than N MiB (default 64)\n"
+    "\n"
+    "  --adapter            how the robot's observation maps onto the model: libero, droid, or a JSON file\n"
+    "  --tokenizer PATH     default: DIR/paligemma_tokenizer.model, then openpi's download cache\n"
+    "  --norm-stats PATH    default: the norm_stats.json under DIR/assets/\n"
+    "  --steps N            Euler steps (default 10)\n"
+    "  --seed N             every request uses noise from seed N (reproducible); default: a fresh seed each\n"
+    "  --port 0             any free port (the \"listening on\" line says which)\n"
+    "  --quiet              no load progress and no per-connection lines on stderr\n"
+    "Prints \"listening on ws://HOST:PORT\" on stdout once it accepts connections.\n";
+
+static volatile sig_atomic_t stop_requested;
+
+/* The first signal asks for a graceful stop; a second one kills (the default action is restored). */
+static void on_signal(int sig) {
+    stop_requested = 1;
+    signal(sig, SIG_DFL);
+}
+
+typedef struct {
+    const char *host;
+} listen_info;
+
+static void on_listen(void *user, int port) {
+    const listen_info *li = user;
+    int v6 = strchr(li->host, ':') != NULL; /* ws://[::1]:8000 */
+    printf("listening on ws://%s%s%s:%d\n", v6 ? "[" : "", li->host, v6 ? "]" : "", port);
+    fflush(stdout);
+}
+
+static void log_line(void *user, const char *line) {
+    (void)user;
+    fprintf(stderr, "pi0 serve: %s\n", line);
+}
+
+int cmd_serve(int argc, char **argv) {
+    const char *checkpoint = NULL, *adapter = NULL, *tokenizer = NULL, *norm_stats = NULL, *backend_name = "auto";
+    const char *host = "127.0.0.1", *value;
+    long long port = 8000, max_batch = 8, wait_ms = 2, frame_mb = 64, steps = 10, seed = 0;
+    int has_seed = 0, quiet = 0, r;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
+        if (!strcmp(argv[i], "--quiet")) { quiet = 1; continue; }
+        if ((r = flag_value(argc, argv, &i, "--checkpoint", &checkpoint)) || (r = flag_value(argc, argv, &i, "--adapter", &adapter)) ||
+            (r = flag_value(argc, argv, &i, "--tokenizer", &tokenizer)) || (r = flag_value(argc, argv, &i, "--norm-stats", &norm_stats)) ||
+            (r = flag_value(argc, argv, &i, "--backend", &backend_name)) || (r = flag_value(argc, argv, &i, "--host", &host))) {
+            if (r < 0) return usage_error("serve", "%s needs a value", argv[i]);
+            continue;
+        }
+        struct { const char *name; long long min, max, *out; } ints[] = {
+            {"--port", 0, 65535, &port}, {"--max-batch", 1, 64, &max_batch}, {"--batch-wait-ms", 0, 60000, &wait_ms},
+            {"--max-frame-mb", 1, 4096, &frame_mb}, {"--steps", 1, 10000, &steps}, {"--seed", 0, INT64_MAX, &seed},
+        };
+        int matched = 0;
+        for (size_t k = 0; k < sizeof ints / sizeof ints[0] && !matched; k++) {
+            if (!(r = flag_value(argc, argv, &i, ints[k].name, &value))) continue;
+            if (r < 0 || parse_int(value, ints[k].min, ints[k].max, ints[k].out))
+                return usage_error("serve", "%s takes an integer in %lld..%lld", ints[k].name, ints[k].min, ints[k].max);
+            if (!strcmp(ints[k].name, "--seed")) has_seed = 1;
+            matched = 1;
+        }
+        if (matched) continue;
+        return usage_error("serve", "unknown option '%s'", argv[i]);
+    }
+    if (!checkpoint) return usage_error("serve", "--checkpoint is required");
+    if (!adapter) return usage_error("serve", "--adapter is required (libero, droid or a JSON file)");
+    if (!*host) return usage_error("serve", "--host is empty");
+    pi0_backend backend;
+    if (pi0_backend_from_name(backend_name, &backend)) return usage_error("serve", "unknown backend '%s'", backend_name);
+
+    int last_percent = -1;
+    pi0_policy_options popts = {
+        .checkpoint = checkpoint, .adapter = adapter, .tokenizer = tokenizer, .norm_stats = norm_stats,
+        .norm_mode = PI0_NORM_ZSCORE, .num_steps = (int)steps,
+        .model = {.backend = backend, .progress = quiet ? NULL : progress_to_stderr, .progress_user = &last_percent},
+    };
+    pi0_policy *policy;
+    pi0_error err = {0};
+    if (pi0_policy_open(&popts, &policy, &err)) return run_error("serve", &err);
+
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    listen_info li = {host};
+    pi0_server_options sopts = {
+        .host = host, .port = (int)port, .max_batch = (int)max_batch, .batch_wait_ms = (double)wait_ms,
+        .max_frame_bytes = (size_t)frame_mb << 20, .has_seed = has_seed, .seed = (uint64_t)seed, .quiet = quiet,
+        .on_listen = on_listen, .log = log_line, .user = &li,
+    };
+    /* on_listen and log share `user`: log ignores it. */
+    pi0_status st = pi0_server_run(policy, &sopts, &stop_requested, &err);
+    pi0_policy_free(policy);
+    if (st) return run_error("serve", &err);
+    if (!quiet) fprintf(stderr, "pi0 serve: stopped\n");
+    return EXIT_OK;
+}

@@ -1,0 +1,49 @@
+/*
+ * adapter.h - a robot's observation dict mapped onto the model's inputs (openpi's *_policy.py input and
+ * output transforms for Pi0): which keys are which camera, which keys make up the state, where the
+ * prompt is, and how many action dims go back to the robot.
+ *
+ * Built in (PI0_SPEC section 6):
+ *   libero: base_0_rgb <- observation/image, left_wrist_0_rgb <- observation/wrist_image,
+ *           right_wrist_0_rgb: zeros, mask false; state <- observation/state (8); 7 action dims.
+ *   droid:  base_0_rgb <- observation/exterior_image_1_left, left_wrist_0_rgb <- observation/wrist_image_left,
+ *           right_wrist_0_rgb: zeros, mask false; state <- observation/joint_position (7) ++
+ *           observation/gripper_position (1); 8 action dims.
+ * Generic: a JSON file, e.g.
+ *   {"name": "my_arm",                                     optional; default: the file name without .json
+ *    "cameras": ["images/top", "images/wrist", null],     model camera order (1..8); null = absent (mask false)
+ *    "state": ["joints", "gripper"],                       concatenated in this order (1..16 keys), each a
+ *                                                          number or a vector of any numeric dtype
+ *    "prompt": "prompt",                                   key of the instruction string; optional: absent
+ *                                                          means "prompt", null means prompts are not read
+ *    "default_prompt": "pick up the cup",                  used when the key is missing (optional)
+ *    "action_dims": 7}                                     the first action_dims of the model's actions
+ * Unknown keys, duplicate keys, empty key strings, all-null cameras and no prompt source at all (null
+ * "prompt" without "default_prompt") are refused with PI0_ERR_FORMAT naming the file and the key.
+ * Nested observation maps are flattened with '/' (msgpack_numpy.h), so "images/top" finds {"images": {"top"}}.
+ */
+#ifndef PI0_POLICY_ADAPTER_H
+#define PI0_POLICY_ADAPTER_H
+
+#include "pi0.h"
+
+#define PI0_ADAPTER_MAX_CAMERAS 8
+#define PI0_ADAPTER_MAX_STATE_KEYS 16
+
+typedef struct {
+    char *name;
+    int num_cameras;
+    char *camera_keys[PI0_ADAPTER_MAX_CAMERAS]; /* NULL: a camera this robot does not have */
+    int num_state_keys;
+    char *state_keys[PI0_ADAPTER_MAX_STATE_KEYS];
+    char *prompt_key;     /* NULL: prompts are not read from the observation */
+    char *default_prompt; /* NULL: a missing prompt is an error */
+    int action_dims;
+} pi0_adapter;
+
+/* "libero", "droid", or the path of a generic adapter JSON file (a name that is neither and no readable file:
+ * PI0_ERR_IO). On failure *out is NULL. */
+pi0_status pi0_adapter_open(const char *name_or_path, pi0_adapter **out, pi0_error *err);
+void pi0_adapter_free(pi0_adapter *a);
+
+#endif

@@ -1,0 +1,615 @@
+/*
+ * policy.c - openpi's Policy.infer (PI0_SPEC section 6) around pi0_sample_actions.
+ *
+ * Per observation, in openpi's order: the robot's input transform (adapter: which key is which camera,
+ * which keys make the state), Normalize (state), InjectDefaultPrompt, ResizeImages + the [-1, 1] scaling
+ * (pi0_image_preprocess), TokenizePrompt, PadStatesAndActions; then one batched sample_actions; then
+ * Unnormalize (actions) and the robot's output transform (the first action_dims). The numbers follow
+ * numpy's: the state is normalized in float64 from its own dtype and rounded to float32 once (as JAX
+ * does when it takes the float64 array); actions are unnormalized in float64 and stay float64.
+ */
+#include "policy/policy.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "policy/image.h"
+#include "util/clock.h"
+#include "util/error.h"
+#include "util/rng.h"
+
+#define MAX_BATCH 4096      /* the engine's own limit */
+#define MAX_HORIZON 4096
+#define MAX_STEPS 10000
+#define MAX_IMAGE_SIDE 4096 /* larger camera frames are refused, not resized */
+#define MAX_ASSET_DEPTH 8   /* how deep under assets/ to look for norm_stats.json */
+
+/* A checked camera frame waiting for its pixel work. */
+typedef struct {
+    const pi0_field *field; /* NULL: an absent camera */
+    pi0_image image;
+} camera_frame;
+
+struct pi0_policy {
+    pi0_model *model;
+    pi0_adapter *adapter;
+    pi0_tokenizer *tokenizer;
+    pi0_norm_stats stats;
+    const pi0_norm_entry *state_stats, *action_stats;
+    pi0_norm_mode mode;
+    int horizon, num_steps;
+    /* the batch buffers, kept between calls; room for `capacity` observations */
+    int capacity;
+    float *images[PI0_ADAPTER_MAX_CAMERAS];
+    uint8_t *image_masks, *prompt_mask;
+    int32_t *prompt_ids;
+    float *state, *noise, *actions;
+    int *source;   /* batch slot -> index of the observation */
+    camera_frame *frames; /* (capacity, cameras) */
+};
+
+/* ---- opening ------------------------------------------------------------------------------------------- */
+
+static void free_buffers(pi0_policy *p) {
+    for (int c = 0; c < PI0_ADAPTER_MAX_CAMERAS; c++) free(p->images[c]), p->images[c] = NULL;
+    free(p->image_masks), free(p->prompt_mask), free(p->prompt_ids);
+    free(p->state), free(p->noise), free(p->actions), free(p->source), free(p->frames);
+    p->image_masks = p->prompt_mask = NULL, p->prompt_ids = NULL;
+    p->state = p->noise = p->actions = NULL, p->source = NULL, p->frames = NULL;
+    p->capacity = 0;
+}
+
+void pi0_policy_free(pi0_policy *p) {
+    if (!p) return;
+    free_buffers(p);
+    pi0_model_free(p->model);
+    pi0_adapter_free(p->adapter);
+    pi0_tokenizer_free(p->tokenizer);
+    pi0_norm_stats_free(&p->stats);
+    free(p);
+}
+
+const pi0_model *pi0_policy_model(const pi0_policy *p) { return p ? p->model : NULL; }
+const pi0_adapter *pi0_policy_adapter(const pi0_policy *p) { return p ? p->adapter : NULL; }
+int pi0_policy_horizon(const pi0_policy *p) { return p ? p->horizon : 0; }
+
+/* Norm stats need a "state" and an "actions" entry, with q01/q99 in quantile mode. */
+static pi0_status check_stats(const pi0_norm_stats *stats, pi0_norm_mode mode, pi0_error *err) {
+    const char *keys[2] = {"state", "actions"};
+    for (int k = 0; k < 2; k++) {
+        const pi0_norm_entry *e = pi0_norm_stats_find(stats, keys[k]);
+        if (!e) return pi0_fail(err, PI0_ERR_FORMAT, "norm stats have no \"%s\" entry", keys[k]);
+        if (mode == PI0_NORM_QUANTILE && (!e->q01 || !e->q99))
+            return pi0_fail(err, PI0_ERR_FORMAT, "quantile normalization needs q01 and q99, which norm stats \"%s\" lack",
+                            keys[k]);
+    }
+    return PI0_OK;
+}
+
+pi0_status pi0_policy_create(pi0_model *model, pi0_adapter *adapter, pi0_tokenizer *tokenizer,
+                             pi0_norm_stats *norm_stats, const pi0_policy_options *opts, pi0_policy **out,
+                             pi0_error *err) {
+    pi0_policy *p = calloc(1, sizeof *p);
+    if (p) {
+        p->model = model, p->adapter = adapter, p->tokenizer = tokenizer;
+        if (norm_stats) p->stats = *norm_stats, memset(norm_stats, 0, sizeof *norm_stats);
+    } else {
+        pi0_model_free(model), pi0_adapter_free(adapter), pi0_tokenizer_free(tokenizer), pi0_norm_stats_free(norm_stats);
+    }
+    if (out) *out = NULL;
+    pi0_status st = PI0_OK;
+    if (!p) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for the policy");
+    if (!model || !adapter || !tokenizer || !norm_stats || !out) {
+        st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy: NULL model, adapter, tokenizer, norm stats or output");
+        goto fail;
+    }
+    const pi0_dims *d = pi0_model_dims(model);
+    p->mode = opts ? opts->norm_mode : PI0_NORM_ZSCORE;
+    p->horizon = opts && opts->horizon ? opts->horizon : d->action_horizon;
+    p->num_steps = opts && opts->num_steps ? opts->num_steps : 10;
+    if (p->mode != PI0_NORM_ZSCORE && p->mode != PI0_NORM_QUANTILE) {
+        st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy: unknown normalization mode %d", (int)p->mode);
+        goto fail;
+    }
+    if (p->horizon < 1 || p->horizon > MAX_HORIZON || p->num_steps < 1 || p->num_steps > MAX_STEPS) {
+        st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy: horizon %d or steps %d outside 1..%d / 1..%d", p->horizon,
+                      p->num_steps, MAX_HORIZON, MAX_STEPS);
+        goto fail;
+    }
+    const char *name = adapter->name ? adapter->name : "(unnamed)";
+    if (adapter->num_cameras < 0 || adapter->num_cameras > PI0_ADAPTER_MAX_CAMERAS || adapter->num_state_keys < 0 ||
+        adapter->num_state_keys > PI0_ADAPTER_MAX_STATE_KEYS || (!adapter->prompt_key && !adapter->default_prompt)) {
+        st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "adapter %s: bad camera or state key count, or no prompt source",
+                      name);
+        goto fail;
+    }
+    if (adapter->action_dims < 1 || adapter->action_dims > d->action_dim) {
+        st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "adapter %s returns %d action dims, but the model has %d", name,
+                      adapter->action_dims, d->action_dim);
+        goto fail;
+    }
+    if ((st = check_stats(&p->stats, p->mode, err))) goto fail;
+    p->state_stats = pi0_norm_stats_find(&p->stats, "state");
+    p->action_stats = pi0_norm_stats_find(&p->stats, "actions");
+    *out = p;
+    return PI0_OK;
+fail:
+    pi0_policy_free(p);
+    return st;
+}
+
+static int is_file(const char *path) {
+    struct stat s;
+    return stat(path, &s) == 0 && S_ISREG(s.st_mode);
+}
+
+/* The tokenizer: the given path, else <checkpoint>/paligemma_tokenizer.model, else openpi's download cache
+ * ($OPENPI_DATA_HOME or ~/.cache/openpi, then big_vision/paligemma_tokenizer.model). */
+static pi0_status open_tokenizer(const pi0_policy_options *o, pi0_tokenizer **out, pi0_error *err) {
+    if (o->tokenizer) return pi0_tokenizer_load(o->tokenizer, out, err);
+    char in_checkpoint[4096], in_cache[4096] = "";
+    snprintf(in_checkpoint, sizeof in_checkpoint, "%s/paligemma_tokenizer.model", o->checkpoint);
+    const char *data_home = getenv("OPENPI_DATA_HOME"), *home = getenv("HOME");
+    if (data_home && data_home[0])
+        snprintf(in_cache, sizeof in_cache, "%s/big_vision/paligemma_tokenizer.model", data_home);
+    else if (home && home[0])
+        snprintf(in_cache, sizeof in_cache, "%s/.cache/openpi/big_vision/paligemma_tokenizer.model", home);
+    if (is_file(in_checkpoint)) return pi0_tokenizer_load(in_checkpoint, out, err);
+    if (in_cache[0] && is_file(in_cache)) return pi0_tokenizer_load(in_cache, out, err);
+    return pi0_fail(err, PI0_ERR_IO, "no tokenizer: looked for %s%s%s (give the path with --tokenizer)", in_checkpoint,
+                    in_cache[0] ? " and " : "", in_cache);
+}
+
+typedef struct {
+    char **paths;
+    int count, capacity;
+} path_list;
+
+static int path_cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Collects every file named norm_stats.json under `dir` (openpi asset ids may contain '/'). -1: out of memory. */
+static int find_norm_stats(const char *dir, int depth, path_list *found) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int rc = 0;
+    for (struct dirent *e; rc == 0 && (e = readdir(d));) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        size_t n = strlen(dir) + strlen(e->d_name) + 2;
+        char *path = malloc(n);
+        if (!path) { rc = -1; break; }
+        snprintf(path, n, "%s/%s", dir, e->d_name);
+        struct stat s;
+        int exists = stat(path, &s) == 0;
+        if (exists && S_ISDIR(s.st_mode) && depth < MAX_ASSET_DEPTH) {
+            rc = find_norm_stats(path, depth + 1, found);
+        } else if (exists && S_ISREG(s.st_mode) && !strcmp(e->d_name, "norm_stats.json")) {
+            if (found->count == found->capacity) {
+                int cap = found->capacity ? 2 * found->capacity : 4;
+                char **grown = realloc(found->paths, (size_t)cap * sizeof *grown);
+                if (!grown) { free(path); rc = -1; break; }
+                found->paths = grown, found->capacity = cap;
+            }
+            found->paths[found->count++] = path;
+            continue;
+        }
+        free(path);
+    }
+    closedir(d);
+    return rc;
+}
+
+/* The single norm_stats.json under <checkpoint>/assets/, into `path`. */
+static pi0_status find_one_norm_stats(const char *checkpoint, char *path, size_t size, pi0_error *err) {
+    char assets[4096];
+    snprintf(assets, sizeof assets, "%s/assets", checkpoint);
+    path_list found = {0};
+    pi0_status st;
+    if (find_norm_stats(assets, 0, &found)) {
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory looking for norm stats under %s", assets);
+    } else if (found.count == 0) {
+        st = pi0_fail(err, PI0_ERR_IO, "no norm stats: no norm_stats.json under %s/ (give the file with --norm-stats)",
+                      assets);
+    } else if (found.count > 1) {
+        qsort(found.paths, (size_t)found.count, sizeof *found.paths, path_cmp);
+        char list[384] = "";
+        size_t skip = strlen(assets) + 1, used = 0;
+        for (int i = 0; i < found.count && used < sizeof list; i++)
+            used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "", found.paths[i] + skip);
+        st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%d norm_stats.json files under %s/ (%s): choose one with --norm-stats",
+                      found.count, assets, list);
+    } else if ((size_t)snprintf(path, size, "%s", found.paths[0]) >= size) {
+        st = pi0_fail(err, PI0_ERR_IO, "norm stats path too long: %s", found.paths[0]);
+    } else {
+        st = PI0_OK;
+    }
+    for (int i = 0; i < found.count; i++) free(found.paths[i]);
+    free(found.paths);
+    return st;
+}
+
+/* The norm stats: the given file, else the single norm_stats.json under <checkpoint>/assets/; then checked
+ * for what the policy needs, naming the file. */
+static pi0_status open_norm_stats(const pi0_policy_options *o, pi0_norm_stats *out, pi0_error *err) {
+    char path[4096];
+    pi0_status st = o->norm_stats ? PI0_OK : find_one_norm_stats(o->checkpoint, path, sizeof path, err);
+    if (st) return st;
+    if (o->norm_stats) snprintf(path, sizeof path, "%s", o->norm_stats);
+    if ((st = pi0_norm_stats_load(path, out, err))) return st;
+    pi0_error inner = {0};
+    if ((st = check_stats(out, o->norm_mode, &inner))) {
+        pi0_norm_stats_free(out);
+        return pi0_fail(err, st, "%s: %s", path, inner.message);
+    }
+    return PI0_OK;
+}
+
+pi0_status pi0_policy_open(const pi0_policy_options *opts, pi0_policy **out, pi0_error *err) {
+    if (!opts || !opts->checkpoint || !opts->adapter || !out)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy: NULL options, checkpoint, adapter or output");
+    *out = NULL;
+    pi0_adapter *adapter = NULL;
+    pi0_tokenizer *tokenizer = NULL;
+    pi0_norm_stats stats = {0};
+    pi0_model *model = NULL;
+    /* the small files first, so that a typo fails before gigabytes of weights are read */
+    pi0_status st = pi0_adapter_open(opts->adapter, &adapter, err);
+    if (!st) st = open_tokenizer(opts, &tokenizer, err);
+    if (!st) st = open_norm_stats(opts, &stats, err);
+    if (!st) st = pi0_model_load(opts->checkpoint, &opts->model, &model, err);
+    if (st) {
+        pi0_adapter_free(adapter), pi0_tokenizer_free(tokenizer), pi0_norm_stats_free(&stats);
+        return st;
+    }
+    pi0_error inner = {0};
+    st = pi0_policy_create(model, adapter, tokenizer, &stats, opts, out, &inner);
+    if (st) return pi0_fail(err, st, "%s: %s", opts->checkpoint, inner.message);
+    return PI0_OK;
+}
+
+/* ---- one observation ----------------------------------------------------------------------------------- */
+
+static const char *shape_str(const pi0_field *f, char *buf, size_t size) {
+    size_t used = (size_t)snprintf(buf, size, "(");
+    for (int i = 0; i < f->ndim && used < size; i++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", i ? ", " : "", (long long)f->shape[i]);
+    if (used < size) snprintf(buf + used, size - used, f->ndim == 1 ? ",)" : ")");
+    return buf;
+}
+
+/* The array field `key`, or NULL with an error naming the key and what was expected there. */
+static const pi0_field *find_array(const pi0_observation *obs, const char *key, const char *what, pi0_error *err) {
+    const pi0_field *f = pi0_observation_find(obs, key);
+    if (!f) pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "missing key \"%s\" (%s)", key, what);
+    else if (f->kind != PI0_FIELD_ARRAY)
+        pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\" is a string, expected %s", key, what), f = NULL;
+    return f;
+}
+
+/* numpy's float64 -> uint8 cast of (255 * x) on x86-64, like image.c's float32 one: truncate through int32. */
+static uint8_t f64_to_u8_like_numpy(double x) {
+    double scaled = 255.0 * x;
+    if (!(scaled >= -2147483648.0 && scaled < 2147483648.0)) return 0;
+    return (uint8_t)(int32_t)scaled;
+}
+
+/* Checks one camera frame and describes it for render_image (which then only fails for lack of memory). */
+static pi0_status check_image(const pi0_field *f, pi0_image *img, pi0_error *err) {
+    char shape[128];
+    if (f->ndim != 3)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\" has shape %s: expected an image, (H, W, 3) or (3, H, W)",
+                        f->key, shape_str(f, shape, sizeof shape));
+    if (pi0_field_numel(f) == 0)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\" is an empty image (shape %s)", f->key,
+                        shape_str(f, shape, sizeof shape));
+    if (f->dtype != PI0_DTYPE_U8 && f->dtype != PI0_DTYPE_F32 && f->dtype != PI0_DTYPE_F64)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\" has dtype %s: expected uint8, or float32/float64 in [0, 1]",
+                        f->key, pi0_dtype_str(f->dtype));
+    /* openpi (libero_policy._parse_image): `if image.shape[0] == 3: c h w -> h w c` */
+    int chw = f->shape[0] == 3;
+    int64_t h = chw ? f->shape[1] : f->shape[0], w = chw ? f->shape[2] : f->shape[1], c = chw ? 3 : f->shape[2];
+    if (c != 3)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT,
+                        "\"%s\" has shape %s: expected 3 color channels, (H, W, 3) or (3, H, W)", f->key,
+                        shape_str(f, shape, sizeof shape));
+    if (h > MAX_IMAGE_SIDE || w > MAX_IMAGE_SIDE)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\" is a %lldx%lld image, larger than %dx%d", f->key,
+                        (long long)w, (long long)h, MAX_IMAGE_SIDE, MAX_IMAGE_SIDE);
+    /* float64 frames are turned into bytes by render_image; float32 ones by pi0_image_preprocess */
+    *img = (pi0_image){.data = f->data, .type = f->dtype == PI0_DTYPE_F32 ? PI0_PIXEL_F32 : PI0_PIXEL_U8,
+                       .layout = chw ? PI0_LAYOUT_CHW : PI0_LAYOUT_HWC, .height = (int)h, .width = (int)w,
+                       .channels = 3};
+    return PI0_OK;
+}
+
+/* One checked camera frame to the model's S x S x 3 floats in [-1, 1]. */
+static pi0_status render_image(const pi0_field *f, const pi0_image *checked, int size, float *out, pi0_error *err) {
+    pi0_image img = *checked;
+    uint8_t *bytes = NULL;
+    if (f->dtype == PI0_DTYPE_F64) {
+        /* (255 * x).astype(np.uint8) in float64, as numpy computes it for a float64 image */
+        size_t n = (size_t)img.height * img.width * 3;
+        if (!(bytes = malloc(n))) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for \"%s\"", f->key);
+        for (size_t i = 0; i < n; i++) {
+            double x;
+            memcpy(&x, (const char *)f->data + i * sizeof x, sizeof x);
+            bytes[i] = f64_to_u8_like_numpy(x);
+        }
+        img.data = bytes;
+    }
+    pi0_error inner = {0};
+    pi0_status st = pi0_image_preprocess(&img, size, out, &inner);
+    free(bytes);
+    if (st) return pi0_fail(err, st, "\"%s\": %s", f->key, inner.message);
+    return PI0_OK;
+}
+
+static double half_to_double(uint16_t h) {
+    int exponent = (h >> 10) & 31, mantissa = h & 1023;
+    double v = exponent == 0 ? ldexp(mantissa, -24)
+               : exponent == 31 ? (mantissa ? NAN : INFINITY)
+               : ldexp(mantissa + 1024, exponent - 25);
+    return h >> 15 ? -v : v;
+}
+
+/* Element k of a numeric field as float64 (numpy's promotion of the robot's array against float64 stats). */
+static double element(const pi0_field *f, int64_t k) {
+    const char *at = (const char *)f->data + (size_t)k * pi0_dtype_size(f->dtype);
+#define LOAD(type) do { type v; memcpy(&v, at, sizeof v); return (double)v; } while (0)
+    switch (f->dtype) {
+    case PI0_DTYPE_BOOL: return *(const uint8_t *)at != 0;
+    case PI0_DTYPE_U8: LOAD(uint8_t);
+    case PI0_DTYPE_I8: LOAD(int8_t);
+    case PI0_DTYPE_U16: LOAD(uint16_t);
+    case PI0_DTYPE_I16: LOAD(int16_t);
+    case PI0_DTYPE_U32: LOAD(uint32_t);
+    case PI0_DTYPE_I32: LOAD(int32_t);
+    case PI0_DTYPE_U64: LOAD(uint64_t);
+    case PI0_DTYPE_I64: LOAD(int64_t);
+    case PI0_DTYPE_F16: { uint16_t v; memcpy(&v, at, 2); return half_to_double(v); }
+    case PI0_DTYPE_F32: LOAD(float);
+    case PI0_DTYPE_F64: LOAD(double);
+    }
+#undef LOAD
+    return NAN;
+}
+
+/* The adapter's state keys concatenated, normalized (openpi's Normalize, in float64) and zero-padded to A. */
+static pi0_status prepare_state(const pi0_policy *p, const pi0_observation *obs, float *out, pi0_error *err) {
+    const pi0_adapter *a = p->adapter;
+    int A = pi0_model_dims(p->model)->action_dim;
+    const pi0_field *fields[PI0_ADAPTER_MAX_STATE_KEYS];
+    int64_t total = 0;
+    char shape[128];
+    for (int k = 0; k < a->num_state_keys; k++) {
+        const pi0_field *f = fields[k] = find_array(obs, a->state_keys[k], "a number or a vector of numbers", err);
+        if (!f) return err ? err->status : PI0_ERR_INVALID_ARGUMENT;
+        if (f->ndim > 1)
+            return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\" has shape %s: expected a number or a vector", f->key,
+                            shape_str(f, shape, sizeof shape));
+        total += pi0_field_numel(f);
+    }
+    if (total > A)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the state (\"%s\"%s) has %lld values, more than the model's "
+                        "action_dim %d", a->state_keys[0], a->num_state_keys > 1 ? " ..." : "", (long long)total, A);
+    const pi0_norm_entry *e = p->state_stats;
+    if (total > e->dim)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the state (\"%s\"%s) has %lld values but norm stats \"state\" "
+                        "have %d", a->state_keys[0], a->num_state_keys > 1 ? " ..." : "", (long long)total, e->dim);
+    int i = 0;
+    for (int k = 0; k < a->num_state_keys; k++) {
+        const pi0_field *f = fields[k];
+        for (int64_t j = 0; j < pi0_field_numel(f); j++, i++) {
+            double x = element(f, j);
+            if (!isfinite(x))
+                return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\"[%lld] is %g: the state must be finite", f->key,
+                                (long long)j, x);
+            /* transforms.Normalize, as pi0_normalize does it but from the float64 value */
+            if (p->mode == PI0_NORM_ZSCORE) out[i] = (float)((x - e->mean[i]) / (e->std[i] + 1e-6));
+            else out[i] = (float)((x - e->q01[i]) / (e->q99[i] - e->q01[i] + 1e-6) * 2.0 - 1.0);
+        }
+    }
+    for (; i < A; i++) out[i] = 0.0f; /* PadStatesAndActions */
+    return PI0_OK;
+}
+
+/* The prompt (or the adapter's default), tokenized and checked against the model's vocabulary. */
+static pi0_status prepare_prompt(const pi0_policy *p, const pi0_observation *obs, int32_t *ids, uint8_t *mask,
+                                 pi0_error *err) {
+    const pi0_adapter *a = p->adapter;
+    const char *prompt = NULL;
+    const pi0_field *f = a->prompt_key ? pi0_observation_find(obs, a->prompt_key) : NULL;
+    if (f && f->kind != PI0_FIELD_STRING)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\" is an array, expected the instruction string", f->key);
+    prompt = f ? f->string : a->default_prompt;
+    if (!prompt)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "missing key \"%s\" (the instruction; adapter %s has no default "
+                        "prompt)", a->prompt_key ? a->prompt_key : "prompt", a->name ? a->name : "(unnamed)");
+    const pi0_dims *d = pi0_model_dims(p->model);
+    int valid = 0;
+    pi0_status st = pi0_tokenize_prompt(p->tokenizer, prompt, d->max_token_len, ids, mask, &valid, err);
+    if (st) return st;
+    for (int i = 0; i < valid; i++)
+        if (ids[i] < 0 || ids[i] >= d->vocab_size)
+            return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT,
+                            "prompt token %d has id %d (\"%s\"), outside the model's vocabulary of %d: the tokenizer "
+                            "(%d pieces) does not belong to this checkpoint", i, ids[i],
+                            pi0_tokenizer_piece(p->tokenizer, ids[i]) ? pi0_tokenizer_piece(p->tokenizer, ids[i]) : "?",
+                            d->vocab_size,
+                            pi0_tokenizer_vocab_size(p->tokenizer));
+    return PI0_OK;
+}
+
+/* Checks one observation and fills batch slot `slot` with all of it but the pixels: the cameras' fields and
+ * descriptions go to p->frames, for render_images. */
+static pi0_status prepare(pi0_policy *p, const pi0_observation *obs, int slot, pi0_error *err) {
+    const pi0_dims *d = pi0_model_dims(p->model);
+    const pi0_adapter *a = p->adapter;
+    size_t C = (size_t)a->num_cameras, L = (size_t)d->max_token_len;
+    for (size_t c = 0; c < C; c++) {
+        camera_frame *fr = &p->frames[slot * C + c];
+        fr->field = NULL;
+        p->image_masks[slot * C + c] = 0;
+        if (!a->camera_keys[c]) continue; /* absent: mask false, which the engine skips */
+        const pi0_field *f = find_array(obs, a->camera_keys[c], "a camera image", err);
+        if (!f) return err ? err->status : PI0_ERR_INVALID_ARGUMENT;
+        pi0_status st = check_image(f, &fr->image, err);
+        if (st) return st;
+        fr->field = f;
+        p->image_masks[slot * C + c] = 1;
+    }
+    pi0_status st = prepare_state(p, obs, p->state + slot * (size_t)d->action_dim, err);
+    if (!st) st = prepare_prompt(p, obs, p->prompt_ids + slot * L, p->prompt_mask + slot * L, err);
+    return st;
+}
+
+/* The pixel work of the first `valid` slots, every camera of every observation in parallel. A frame that
+ * fails (only for lack of memory) fails its observation: its result gets the error. */
+static void render_images(pi0_policy *p, int valid, pi0_policy_result *results) {
+    int S = pi0_model_dims(p->model)->image_size, C = p->adapter->num_cameras, jobs = valid * C;
+#pragma omp parallel for schedule(dynamic, 1) if (jobs > 1)
+    for (int j = 0; j < jobs; j++) {
+        const camera_frame *fr = &p->frames[j];
+        if (!fr->field) continue;
+        pi0_error e = {0};
+        int slot = j / C, c = j % C;
+        if (render_image(fr->field, &fr->image, S, p->images[c] + (size_t)slot * S * S * 3, &e)) {
+#pragma omp critical(pi0_policy_render)
+            results[p->source[slot]].error = e;
+        }
+    }
+}
+
+/* ---- the batch ----------------------------------------------------------------------------------------- */
+
+static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
+    if (count <= p->capacity) return PI0_OK;
+    free_buffers(p);
+    const pi0_dims *d = pi0_model_dims(p->model);
+    size_t n = (size_t)count, S = (size_t)d->image_size, L = (size_t)d->max_token_len;
+    size_t per_chunk = (size_t)p->horizon * d->action_dim;
+    int ok = 1;
+    for (int c = 0; c < p->adapter->num_cameras; c++) ok &= (p->images[c] = calloc(n * S * S * 3, sizeof(float))) != NULL;
+    p->image_masks = calloc(n * p->adapter->num_cameras + 1, 1);
+    p->prompt_ids = calloc(n * L + 1, sizeof(int32_t));
+    p->prompt_mask = calloc(n * L + 1, 1);
+    p->state = calloc(n * d->action_dim, sizeof(float));
+    p->noise = malloc(n * per_chunk * sizeof(float));
+    p->actions = malloc(n * per_chunk * sizeof(float));
+    p->source = malloc(n * sizeof(int));
+    p->frames = calloc(n * p->adapter->num_cameras + 1, sizeof(camera_frame));
+    if (!ok || !p->image_masks || !p->prompt_ids || !p->prompt_mask || !p->state || !p->noise || !p->actions ||
+        !p->source || !p->frames) {
+        free_buffers(p);
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a batch of %d observations", count);
+    }
+    p->capacity = count;
+    return PI0_OK;
+}
+
+/* Standard normal noise from one observation's seed: what pi0_sample_actions draws for a batch of one with
+ * that noise_seed (model/plan.c), so a request gives the same actions alone or batched. */
+static void seeded_noise(uint64_t seed, float *noise, size_t n) {
+    uint64_t stream = rng_mix64(seed ^ 0x6e6f697365ull); /* "noise" */
+    for (size_t i = 0; i < n; i++) noise[i] = rng_normal(stream, i);
+}
+
+/*
+ * transforms.Unnormalize on the robot's first `n` dims, with numpy's promotions: the model's float32 actions
+ * meet the float64 stats, so z-score `x * (std + 1e-6) + mean` is float64 throughout, while quantile's
+ * `(x + 1.0) / 2.0` stays float32 (a Python float does not promote an array) and only `* (q99 - q01 + 1e-6)
+ * + q01` is float64. Past the stats, z-score pads mean 0 / std 1 and quantile passes values through.
+ */
+static void unnormalize(const pi0_norm_entry *e, pi0_norm_mode mode, const float *x, double *out, int n) {
+    for (int i = 0; i < n; i++) {
+        if (mode == PI0_NORM_ZSCORE) {
+            double mean = i < e->dim ? e->mean[i] : 0.0, std = i < e->dim ? e->std[i] : 1.0;
+            double scaled = (double)x[i] * (std + 1e-6);
+            out[i] = scaled + mean;
+        } else if (i < e->dim) {
+            float half = (x[i] + 1.0f) / 2.0f;
+            double scaled = (double)half * (e->q99[i] - e->q01[i] + 1e-6);
+            out[i] = scaled + e->q01[i];
+        } else {
+            out[i] = x[i];
+        }
+    }
+}
+
+void pi0_policy_result_free(pi0_policy_result *r) {
+    if (!r) return;
+    free(r->actions);
+    r->actions = NULL;
+}
+
+pi0_status pi0_policy_infer(pi0_policy *p, const pi0_observation *const *obs, const uint64_t *noise_seeds,
+                            int count, pi0_policy_result *results, double *infer_ms, pi0_error *err) {
+    double t0 = pi0_now_ms();
+    if (infer_ms) *infer_ms = 0;
+    if (!p || count < 0 || count > MAX_BATCH || (count > 0 && (!obs || !results))) {
+        pi0_error bad = {0};
+        pi0_fail(&bad, PI0_ERR_INVALID_ARGUMENT, "policy infer: NULL policy, observations or results, or count %d "
+                 "outside 0..%d", count, MAX_BATCH);
+        for (int i = 0; results && i < count && count <= MAX_BATCH; i++)
+            results[i] = (pi0_policy_result){.error = bad};
+        if (err) *err = bad;
+        return bad.status;
+    }
+    const pi0_dims *d = pi0_model_dims(p->model);
+    int H = p->horizon, A = d->action_dim, R = p->adapter->action_dims;
+    size_t chunk = (size_t)H * A;
+    for (int i = 0; i < count; i++)
+        results[i] = (pi0_policy_result){.error = {.status = PI0_OK}, .horizon = H, .action_dims = R};
+    pi0_error batch_err = {0};
+    pi0_status st = ensure_capacity(p, count, &batch_err);
+    if (st) {
+        for (int i = 0; i < count; i++) results[i].error = batch_err;
+        if (err) *err = batch_err;
+        return st;
+    }
+
+    int valid = 0;
+    for (int i = 0; i < count; i++) {
+        pi0_error *e = &results[i].error;
+        if (!obs[i]) {
+            pi0_fail(e, PI0_ERR_INVALID_ARGUMENT, "observation %d is NULL", i);
+            continue;
+        }
+        if (prepare(p, obs[i], valid, e)) continue;
+        seeded_noise(noise_seeds ? noise_seeds[i] : 0, p->noise + valid * chunk, chunk);
+        p->source[valid++] = i;
+    }
+
+    if (valid > 0) {
+        render_images(p, valid, results);
+        const float *images[PI0_ADAPTER_MAX_CAMERAS];
+        for (int c = 0; c < p->adapter->num_cameras; c++) images[c] = p->images[c];
+        pi0_batch batch = {.batch = valid, .num_cameras = p->adapter->num_cameras, .images = images,
+                           .image_masks = p->image_masks, .prompt_len = d->max_token_len, .prompt_ids = p->prompt_ids,
+                           .prompt_mask = p->prompt_mask, .state = p->state, .horizon = H, .noise = p->noise,
+                           .num_steps = p->num_steps};
+        st = pi0_sample_actions(p->model, &batch, p->actions, NULL, &batch_err);
+        if (st) {
+            for (int v = 0; v < valid; v++)
+                if (!results[p->source[v]].error.status) results[p->source[v]].error = batch_err;
+            if (err) *err = batch_err;
+            return st;
+        }
+        for (int v = 0; v < valid; v++) {
+            pi0_policy_result *r = &results[p->source[v]];
+            if (r->error.status) continue; /* its pixels failed: it ran on stale ones, drop the answer */
+            if (!(r->actions = malloc((size_t)H * R * sizeof(double)))) {
+                pi0_fail(&r->error, PI0_ERR_OUT_OF_MEMORY, "out of memory for the actions");
+                continue;
+            }
+            for (int t = 0; t < H; t++)
+                unnormalize(p->action_stats, p->mode, p->actions + v * chunk + (size_t)t * A, r->actions + (size_t)t * R, R);
+        }
+    }
+    if (infer_ms) *infer_ms = pi0_now_ms() - t0;
+    return PI0_OK;
+}
