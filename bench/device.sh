@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs, in one call of the device machine: unpack the carried Debian
-# packages (OpenBLAS, jansson), build for sm_90a, run the GPU tests, then the benchmarks.
-# Usage (on the device): bench/device.sh [tests|bench|all]; logs go to $OUT (or ./device-out).
+# packages (OpenBLAS, jansson, msgpack-c, libwebsockets), build for sm_90a, run the GPU tests, then the
+# benchmarks. Usage (on the device): bench/device.sh [build|tests|bench|serve|all]; logs go to $OUT (or
+# ./device-out). `serve` times `pi0 serve` on a real-size random checkpoint with openpi's client, whose
+# wheels are carried in .deps/wheels (the device has no package registry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}; mkdir -p "$OUT"
@@ -14,12 +16,16 @@ unpack() { # a .deb is an ar archive holding data.tar.*; dpkg -x when there is a
     if command -v dpkg >/dev/null; then dpkg -x "$1" "$root"; return; fi
     local tmp; tmp=$(mktemp -d); (cd "$tmp" && ar x "$OLDPWD/$1" && tar -xf data.tar.* -C "$root"); rm -rf "$tmp"
 }
-if [ ! -d "$root" ]; then mkdir -p "$root"; for deb in .deps/*.deb; do unpack "$deb"; done; fi
+mkdir -p "$root"
+for deb in .deps/*.deb; do   # each once per machine (a marker per package)
+    [ -f "$root/.unpacked-${deb##*/}" ] || { unpack "$deb" && touch "$root/.unpacked-${deb##*/}"; }
+done
 lib=$root/usr/lib/x86_64-linux-gnu
-export LD_LIBRARY_PATH=$lib/openblas-openmp:$lib:${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=$lib/openblas-openmp:$lib:$root/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export PI0_FIXTURES=${PI0_FIXTURES:-$PWD/.fixtures}   # carried copy of ../shared/fixtures
 make_args=(BLAS_CFLAGS="-I$root/usr/include/x86_64-linux-gnu/openblas-openmp" BLAS_LIBS="-L$lib/openblas-openmp -lopenblas"
            JSON_CFLAGS="-I$root/usr/include" JSON_LIBS="-L$lib -ljansson"
+           WITH_SERVER=1 SERVER_CFLAGS="-I$root/usr/include" SERVER_LIBS="-L$lib -L$root/lib/x86_64-linux-gnu -lmsgpackc -lwebsockets -l:libcap.so.2"
            CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a")
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
@@ -39,4 +45,24 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         for b in 1 2 4 8 16 32 64; do run --batch $b --iters 30 --warmup 5; done
     } > "$OUT/bench.jsonl" 2> "$OUT/bench.err"
     python3 bench/table.py "$OUT/bench.jsonl"
+fi
+if [ "$what" = serve ] || [ "$what" = all ]; then
+    python3 -m pip install -q --no-index --find-links .deps/wheels --target .deps/py --no-deps \
+        msgpack websockets typing_extensions openpi-client > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+    export PYTHONPATH=$PWD/.deps/py
+    ckpt=/tmp/pi0_serve_ckpt
+    if [ ! -f $ckpt/model.safetensors ]; then   # real size, random bf16 weights + the test tokenizer and norm stats
+        PI0_BIN=build/pi0 tests/make_policy_checkpoint.sh /tmp/pi0_tiny_policy
+        build/pi0 init --output $ckpt --bf16 > "$OUT/init.log" 2>&1 || { tail "$OUT/init.log"; exit 1; }
+        cp -r /tmp/pi0_tiny_policy/paligemma_tokenizer.model /tmp/pi0_tiny_policy/assets $ckpt/
+    fi
+    build/pi0 serve --checkpoint $ckpt --adapter libero --port 8765 --quiet > "$OUT/serve.out" 2> "$OUT/serve.err" &
+    server=$!
+    for _ in $(seq 120); do grep -q listening "$OUT/serve.out" 2>/dev/null && break; sleep 1; done
+    for c in 1 4 16; do
+        echo "## pi0 serve (cuda, real size), $c clients"
+        python3 bench/serve_load.py --port 8765 --clients $c --requests $((c == 1 ? 300 : c == 4 ? 150 : 60)) \
+            --processes $((c < 4 ? 1 : 4)) --json
+    done | tee "$OUT/serve.jsonl"
+    kill -TERM $server; wait $server; echo "server exit $?"
 fi
