@@ -97,7 +97,7 @@ $(BUILD)/tests/gpu/%: tests/gpu/%.c $(BUILD)/libpi0.a tests/check.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
 
-$(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a tests/check.h
+$(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a tests/check.h tests/cli_run.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
 

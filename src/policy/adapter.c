@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "util/error.h"
+#include "util/json_kind.h"
 
 #define MAX_ACTION_DIMS 4096
 
@@ -53,20 +54,6 @@ static pi0_status builtin(const char *name, const char *base, const char *wrist,
     }
     *out = a;
     return PI0_OK;
-}
-
-static const char *json_kind(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
-    case JSON_ARRAY: return "an array";
-    case JSON_STRING: return "a string";
-    case JSON_INTEGER:
-    case JSON_REAL: return "a number";
-    case JSON_TRUE:
-    case JSON_FALSE: return "a boolean";
-    case JSON_NULL: return "null";
-    }
-    return "an unknown JSON value";
 }
 
 /* Reads "key": [strings (or null where allowed)] into keys[], at most `max` of them. */

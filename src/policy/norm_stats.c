@@ -15,20 +15,7 @@
 #include <string.h>
 
 #include "util/error.h"
-
-static const char *json_type_name(const json_t *v) {
-    switch (json_typeof(v)) {
-    case JSON_OBJECT: return "an object";
-    case JSON_ARRAY: return "an array";
-    case JSON_STRING: return "a string";
-    case JSON_INTEGER:
-    case JSON_REAL: return "a number";
-    case JSON_TRUE:
-    case JSON_FALSE: return "a boolean";
-    case JSON_NULL: return "null";
-    }
-    return "an unknown JSON value";
-}
+#include "util/json_kind.h"
 
 /* Reads norm_stats.<key>.<field> into a new array of doubles. An absent or null optional field gives NULL. */
 static pi0_status read_vector(const char *path, const char *key, json_t *entry, const char *field, int required,
@@ -41,7 +28,7 @@ static pi0_status read_vector(const char *path, const char *key, json_t *entry, 
     }
     if (!json_is_array(arr))
         return pi0_fail(err, PI0_ERR_FORMAT, "%s: norm_stats.%s.%s is %s, not an array of numbers", path, key, field,
-                        json_type_name(arr));
+                        json_kind(arr));
     size_t n = json_array_size(arr);
     if (n == 0 || n > (1 << 20))
         return pi0_fail(err, PI0_ERR_FORMAT, "%s: norm_stats.%s.%s has %zu values (expected 1 .. %d)", path, key,
@@ -55,7 +42,7 @@ static pi0_status read_vector(const char *path, const char *key, json_t *entry, 
         if (!json_is_number(x)) {
             free(v);
             return pi0_fail(err, PI0_ERR_FORMAT, "%s: norm_stats.%s.%s[%zu] is %s, not a number%s", path, key, field,
-                            i, json_type_name(x), json_is_null(x) ? " (NaN or infinity when saved by openpi)" : "");
+                            i, json_kind(x), json_is_null(x) ? " (NaN or infinity when saved by openpi)" : "");
         }
         v[i] = json_number_value(x);
     }
@@ -77,7 +64,7 @@ static void entry_free(pi0_norm_entry *e) {
  * like pydantic does. */
 static pi0_status parse_entry(const char *path, const char *key, json_t *obj, pi0_norm_entry *e, pi0_error *err) {
     if (!json_is_object(obj))
-        return pi0_fail(err, PI0_ERR_FORMAT, "%s: norm_stats.%s is %s, not an object", path, key, json_type_name(obj));
+        return pi0_fail(err, PI0_ERR_FORMAT, "%s: norm_stats.%s is %s, not an object", path, key, json_kind(obj));
     e->key = strdup(key);
     if (!e->key) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
 
@@ -99,7 +86,7 @@ static pi0_status parse_root(const char *path, json_t *root, pi0_norm_stats *out
     json_t *stats = json_is_object(root) ? json_object_get(root, "norm_stats") : NULL;
     if (!stats) return pi0_fail(err, PI0_ERR_FORMAT, "%s: no top-level \"norm_stats\" object", path);
     if (!json_is_object(stats))
-        return pi0_fail(err, PI0_ERR_FORMAT, "%s: \"norm_stats\" is %s, not an object", path, json_type_name(stats));
+        return pi0_fail(err, PI0_ERR_FORMAT, "%s: \"norm_stats\" is %s, not an object", path, json_kind(stats));
     size_t count = json_object_size(stats);
     out->entries = calloc(count ? count : 1, sizeof *out->entries);
     if (!out->entries) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
