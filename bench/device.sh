@@ -37,8 +37,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     PI0_BIN=build/pi0 tests/run.sh build/tests/gpu/test_* 2>&1 | tee "$OUT/test-gpu.log" | grep -E '^(ok|FAIL|broken|[0-9]+ passed)'
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    run() { echo "## build/pi0 bench $*"; build/pi0 bench "$@" --json; }
+    # BEFORE="VAR=value" adds a same-run "before" row for the seed workload and H=50 (an A/B knob).
+    run() { echo "## ${AB:+$AB }build/pi0 bench $*"; env ${AB:-} build/pi0 bench "$@" --json; }
     {
+        if [ -n "${BEFORE:-}" ]; then AB=$BEFORE run; AB=$BEFORE run --horizon 50; fi
         run                                              # seed workload: B=1, 3 cameras (1 masked), H=10
         run --masked-cameras 0                           # 3 valid cameras
         run --horizon 50

@@ -24,7 +24,7 @@
  * Key split (sm_90+). A block walks its keys one 64-key tile after another, about 2-4 us per tile at
  * head_dim 256 (the tensor-core work of one warp plus a load latency), so a small grid is latency-bound:
  * a batch-1 denoise step (2 blocks, 13 tiles) took ~55 us unsplit. When the grid is small the host
- * launches `split` = 2, 4 or 8 blocks per row tile as one thread-block cluster; block `rank` takes the
+ * launches `split` = 2, 4, 8 or 16 blocks per row tile as one thread-block cluster; block `rank` takes the
  * tiles rank, rank + split, ..., and at the end the blocks merge their partial (O, max, sum) through
  * distributed shared memory (combine_split): no workspace in device memory, one kernel, and the grid
  * depends only on host arguments, so the call stays graph-capturable. The split is chosen so the grid
@@ -42,8 +42,8 @@
  *
  * Trade-offs and what is left on the table: (1) mma.sync rather than Hopper's wgmma/TMA: portable to
  * sm_80..sm_90 and simple; attention is a small share of the inference (DESIGN.md), so well under the
- * wgmma peak is acceptable for now. (2) The key split is capped at 8 (the portable cluster size); a
- * batch-1 denoise step still walks 2 tiles per block. (3) Unaligned pointers or leading dimensions (not
+ * wgmma peak is acceptable for now. (2) The key split is capped at 16 (a non-portable cluster,
+ * sm_90); a batch-1 denoise step walks at most one tile per block. (3) Unaligned pointers or leading dimensions (not
  * multiples of 8 elements) take a correct but slow scalar copy path instead of cp.async. (4) P is
  * rounded to bf16 before P V (relative error ~2^-9 per weight, as in FlashAttention); the row sum l
  * uses the unrounded fp32 values. (5) Every block of a split loads the same Q tile (from L2).
@@ -55,6 +55,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 namespace {
 
@@ -62,7 +63,7 @@ constexpr int kRows = 64;     /* virtual query rows per block */
 constexpr int kKeys = 64;     /* keys per K/V tile */
 constexpr int kThreads = 128; /* 4 warps x 16 rows */
 constexpr int kMaxDevices = 64;
-constexpr int kMaxSplit = 8;  /* blocks per cluster in a key split (the portable cluster size limit) */
+constexpr int kMaxSplit = 16; /* blocks per cluster in a key split (16: a non-portable cluster size, sm_90) */
 
 template <int HD>
 struct AttnConfig {
@@ -517,6 +518,10 @@ cudaError_t configure(DeviceInfo *out) {
         return e;
     if (d.blocks_per_sm < 1) d.blocks_per_sm = 1;
     if (major >= 9) {
+        /* clusters of 16 are "non-portable": allowed on H100/H200 once asked for; the occupancy query below
+         * says whether the device can actually run them (else the next size down) */
+        if (cudaFuncSetAttribute(attention_kernel<HD>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+            (void)cudaGetLastError();
         for (int split = kMaxSplit; split > 1; split /= 2) {
             cudaLaunchConfig_t cfg = {};
             cudaLaunchAttribute attr;
@@ -560,6 +565,11 @@ cudaError_t configure(DeviceInfo *out) {
  * ViT (72) over 256. No split for grids of half a wave or more (head_dim 256) or a quarter wave or
  * more (smaller head dims); else double the blocks while the grid still fits in one wave. */
 int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim) {
+    static int env_cap = -1; /* PI0_ATTN_SPLIT=n: the automatic choice goes no higher than n (A/B runs) */
+    if (env_cap < 0) {
+        const char *env = getenv("PI0_ATTN_SPLIT");
+        env_cap = env && atoi(env) > 0 ? atoi(env) : kMaxSplit;
+    }
     int split = 1;
     if (g_split_override > 0) {
         while (split * 2 <= g_split_override && split * 2 <= d.max_split) split *= 2;
@@ -567,7 +577,7 @@ int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim) {
     }
     const long long capacity = (long long)d.sms * d.blocks_per_sm;
     if (base_blocks * (head_dim >= 256 ? 2 : 4) > capacity) return 1;
-    while (split * 2 <= d.max_split && base_blocks * split * 2 <= capacity) split *= 2;
+    while (split * 2 <= d.max_split && split * 2 <= env_cap && base_blocks * split * 2 <= capacity) split *= 2;
     return split;
 }
 

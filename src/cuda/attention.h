@@ -50,9 +50,10 @@ cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ld
 /*
  * Tuning/testing knob, process-wide, not thread-safe (set it before launching or capturing): how many
  * blocks (a thread-block cluster, sm_90+) share the keys of one 64-row tile. 0 (the default) chooses
- * per call from the grid size: small grids (denoise, batch-1 prefix) split the keys up to 8 ways, grids
- * that fill the GPU do not. n > 0 forces the largest power of two <= min(n, 8) that the device
- * supports; 1 disables the split. Results differ between splits only by float rounding; for a given
+ * per call from the grid size: small grids (denoise, batch-1 prefix) split the keys up to 16 ways, grids
+ * that fill the GPU do not. n > 0 forces the largest power of two <= min(n, 16) that the device
+ * supports; 1 disables the split. (PI0_ATTN_SPLIT=n in the environment caps the automatic choice at n,
+ * for A/B runs.) Results differ between splits only by float rounding; for a given
  * split they are deterministic. The choice is made at launch time, so a captured graph keeps it.
  */
 void pi0_cuda_attention_set_split(int split);

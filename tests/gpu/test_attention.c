@@ -348,8 +348,8 @@ static void verify(const fixture *f, const reference *rf, const uint16_t *gpu, c
 }
 
 /* Key-split settings every case runs under (pi0_cuda_attention_set_split): the automatic choice,
- * no split, and forced splits of 2, 4 and 8 blocks (clamped to 1 on GPUs before sm_90). */
-static const int kSplits[] = {0, 1, 2, 4, 8};
+ * no split, and forced splits of 2, 4, 8 and 16 blocks (clamped to what the GPU runs: 1 before sm_90). */
+static const int kSplits[] = {0, 1, 2, 4, 8, 16};
 #define NUM_SPLITS ((int)(sizeof kSplits / sizeof kSplits[0]))
 
 /* The whole check for one case, under every split setting: run twice (determinism), verify. */
