@@ -34,6 +34,24 @@ static const float UNNORM_ZSCORE_PADDED[4] = {1.00000024f, -1.30000055f, 1.50000
 static char tmp_dir[64];
 
 /* Writes `text` to tmp_dir/name and returns the path (static storage, valid until the next call). */
+/* The float-vector view the checks below are written in: normalize x in place (through float64, as a
+ * robot's float32 values reach numpy), unnormalize in place (rounding the float64 result to float). */
+static pi0_status normalize_f(const pi0_norm_entry *e, pi0_norm_mode mode, float *x, int n, pi0_error *err) {
+    double in[16] = {0};
+    float out[16];
+    for (int i = 0; x && i < n && i < 16; i++) in[i] = x[i];
+    pi0_status st = pi0_normalize(e, mode, x ? in : NULL, x ? out : NULL, n, err);
+    for (int i = 0; !st && i < n; i++) x[i] = out[i];
+    return st;
+}
+
+static pi0_status unnormalize_f(const pi0_norm_entry *e, pi0_norm_mode mode, float *x, int n, pi0_error *err) {
+    double out[16];
+    pi0_status st = pi0_unnormalize(e, mode, x, x ? out : NULL, n, err);
+    for (int i = 0; !st && i < n; i++) x[i] = (float)out[i];
+    return st;
+}
+
 static const char *write_file(const char *name, const char *text) {
     static char path[256];
     snprintf(path, sizeof path, "%s/%s", tmp_dir, name);
@@ -82,8 +100,8 @@ static void test_normalize_matches_numpy(void) {
     float z[5], q[5];
     memcpy(z, X, sizeof z);
     memcpy(q, X, sizeof q);
-    CHECK(pi0_normalize(state, PI0_NORM_ZSCORE, z, 5, NULL) == PI0_OK, "z-score normalize failed");
-    CHECK(pi0_normalize(state, PI0_NORM_QUANTILE, q, 5, NULL) == PI0_OK, "quantile normalize failed");
+    CHECK(normalize_f(state, PI0_NORM_ZSCORE, z, 5, NULL) == PI0_OK, "z-score normalize failed");
+    CHECK(normalize_f(state, PI0_NORM_QUANTILE, q, 5, NULL) == PI0_OK, "quantile normalize failed");
     CHECK(same_bits(z, ZSCORE, 5), "z-score: %.9g %.9g %.9g %.9g %.9g", z[0], z[1], z[2], z[3], z[4]);
     CHECK(same_bits(q, QUANTILE, 5), "quantile: %.9g %.9g %.9g %.9g %.9g", q[0], q[1], q[2], q[3], q[4]);
     pi0_norm_stats_free(&s);
@@ -96,8 +114,8 @@ static void test_unnormalize_matches_numpy(void) {
     float z[5], q[5];
     memcpy(z, A, sizeof z);
     memcpy(q, A, sizeof q);
-    CHECK(pi0_unnormalize(state, PI0_NORM_ZSCORE, z, 5, NULL) == PI0_OK, "z-score unnormalize failed");
-    CHECK(pi0_unnormalize(state, PI0_NORM_QUANTILE, q, 5, NULL) == PI0_OK, "quantile unnormalize failed");
+    CHECK(unnormalize_f(state, PI0_NORM_ZSCORE, z, 5, NULL) == PI0_OK, "z-score unnormalize failed");
+    CHECK(unnormalize_f(state, PI0_NORM_QUANTILE, q, 5, NULL) == PI0_OK, "quantile unnormalize failed");
     CHECK(same_bits(z, UNNORM_ZSCORE, 5), "z-score: %.9g %.9g %.9g %.9g %.9g", z[0], z[1], z[2], z[3], z[4]);
     CHECK(same_bits(q, UNNORM_QUANTILE, 5), "quantile: %.9g %.9g %.9g %.9g %.9g", q[0], q[1], q[2], q[3], q[4]);
     pi0_norm_stats_free(&s);
@@ -117,8 +135,8 @@ static void test_round_trip(void) {
                 x[i] = (float)((seed >> 8) / 16777216.0 * 20.0 - 10.0);
             }
             memcpy(y, x, sizeof y);
-            CHECK(pi0_normalize(state, (pi0_norm_mode)mode, y, 2, NULL) == PI0_OK, "normalize failed in mode %d", mode);
-            CHECK(pi0_unnormalize(state, (pi0_norm_mode)mode, y, 2, NULL) == PI0_OK, "unnormalize failed in mode %d",
+            CHECK(normalize_f(state, (pi0_norm_mode)mode, y, 2, NULL) == PI0_OK, "normalize failed in mode %d", mode);
+            CHECK(unnormalize_f(state, (pi0_norm_mode)mode, y, 2, NULL) == PI0_OK, "unnormalize failed in mode %d",
                   mode);
             for (int i = 0; i < 2; i++)
                 CHECK(fabsf(y[i] - x[i]) <= 1e-5f * (1.0f + fabsf(x[i])), "%g -> %g", x[i], y[i]);
@@ -134,8 +152,8 @@ static void test_stats_longer_than_vector_use_prefix(void) {
     float z[3], u[3];
     memcpy(z, X, sizeof z);
     memcpy(u, A, sizeof u);
-    CHECK(pi0_normalize(state, PI0_NORM_ZSCORE, z, 3, NULL) == PI0_OK, "normalize of a prefix failed");
-    CHECK(pi0_unnormalize(state, PI0_NORM_ZSCORE, u, 3, NULL) == PI0_OK, "unnormalize of a prefix failed");
+    CHECK(normalize_f(state, PI0_NORM_ZSCORE, z, 3, NULL) == PI0_OK, "normalize of a prefix failed");
+    CHECK(unnormalize_f(state, PI0_NORM_ZSCORE, u, 3, NULL) == PI0_OK, "unnormalize of a prefix failed");
     CHECK(same_bits(z, ZSCORE, 3) && same_bits(u, UNNORM_ZSCORE, 3), "a prefix must match the full vector");
     pi0_norm_stats_free(&s);
 }
@@ -145,7 +163,7 @@ static void test_normalize_rejects_short_stats(void) {
     REQUIRE(load_stats(&s), "norm_stats.json did not load");
     float x[6] = {0};
     pi0_error err = {0};
-    pi0_status st = pi0_normalize(pi0_norm_stats_find(&s, "state"), PI0_NORM_ZSCORE, x, 6, &err);
+    pi0_status st = normalize_f(pi0_norm_stats_find(&s, "state"), PI0_NORM_ZSCORE, x, 6, &err);
     CHECK(st == PI0_ERR_INVALID_ARGUMENT, "a 6-vector against 5 stats must fail");
     CHECK(strstr(err.message, "5 values") && strstr(err.message, "has 6"), "message: %s", err.message);
     pi0_norm_stats_free(&s);
@@ -159,9 +177,9 @@ static void test_unnormalize_pads_like_openpi(void) {
     const pi0_norm_entry *actions = pi0_norm_stats_find(&s, "actions");
     float z[4], q[3] = {0.5f, -3.0f, 2.0f};
     memcpy(z, A, sizeof z);
-    CHECK(pi0_unnormalize(actions, PI0_NORM_ZSCORE, z, 4, NULL) == PI0_OK, "padded z-score unnormalize failed");
+    CHECK(unnormalize_f(actions, PI0_NORM_ZSCORE, z, 4, NULL) == PI0_OK, "padded z-score unnormalize failed");
     CHECK(same_bits(z, UNNORM_ZSCORE_PADDED, 4), "%.9g %.9g %.9g %.9g", z[0], z[1], z[2], z[3]);
-    CHECK(pi0_unnormalize(extra, PI0_NORM_QUANTILE, q, 3, NULL) == PI0_OK, "padded quantile unnormalize failed");
+    CHECK(unnormalize_f(extra, PI0_NORM_QUANTILE, q, 3, NULL) == PI0_OK, "padded quantile unnormalize failed");
     /* (0.5 + 1) / 2 * (9 - 0 + 1e-6) + 0, then the rest passed through. */
     CHECK(q[0] == (float)(1.5 / 2.0 * (9.0 + 1e-6)) && q[1] == -3.0f && q[2] == 2.0f, "%.9g %g %g", q[0], q[1], q[2]);
     pi0_norm_stats_free(&s);
@@ -173,10 +191,10 @@ static void test_quantile_needs_quantiles(void) {
     float x[2] = {1, 2};
     pi0_error err = {0};
     const pi0_norm_entry *actions = pi0_norm_stats_find(&s, "actions");
-    CHECK(pi0_normalize(actions, PI0_NORM_QUANTILE, x, 2, &err) == PI0_ERR_INVALID_ARGUMENT,
+    CHECK(normalize_f(actions, PI0_NORM_QUANTILE, x, 2, &err) == PI0_ERR_INVALID_ARGUMENT,
           "quantile normalize without q01/q99 must fail");
     CHECK(strstr(err.message, "q01") && strstr(err.message, "actions"), "message: %s", err.message);
-    CHECK(pi0_unnormalize(actions, PI0_NORM_QUANTILE, x, 2, &err) == PI0_ERR_INVALID_ARGUMENT,
+    CHECK(unnormalize_f(actions, PI0_NORM_QUANTILE, x, 2, &err) == PI0_ERR_INVALID_ARGUMENT,
           "quantile unnormalize without q01/q99 must fail");
     CHECK(x[0] == 1 && x[1] == 2, "a failed call leaves the vector alone");
     pi0_norm_stats_free(&s);
@@ -187,11 +205,11 @@ static void test_bad_arguments(void) {
     REQUIRE(load_stats(&s), "norm_stats.json did not load");
     const pi0_norm_entry *state = pi0_norm_stats_find(&s, "state");
     float x[1] = {0};
-    CHECK(pi0_normalize(NULL, PI0_NORM_ZSCORE, x, 1, NULL) == PI0_ERR_INVALID_ARGUMENT, "NULL stats");
-    CHECK(pi0_normalize(state, PI0_NORM_ZSCORE, NULL, 1, NULL) == PI0_ERR_INVALID_ARGUMENT, "NULL vector with n > 0");
-    CHECK(pi0_normalize(state, PI0_NORM_ZSCORE, x, -1, NULL) == PI0_ERR_INVALID_ARGUMENT, "negative n");
-    CHECK(pi0_unnormalize(state, (pi0_norm_mode)7, x, 1, NULL) == PI0_ERR_INVALID_ARGUMENT, "unknown mode");
-    CHECK(pi0_normalize(state, PI0_NORM_ZSCORE, NULL, 0, NULL) == PI0_OK, "an empty vector is fine");
+    CHECK(normalize_f(NULL, PI0_NORM_ZSCORE, x, 1, NULL) == PI0_ERR_INVALID_ARGUMENT, "NULL stats");
+    CHECK(normalize_f(state, PI0_NORM_ZSCORE, NULL, 1, NULL) == PI0_ERR_INVALID_ARGUMENT, "NULL vector with n > 0");
+    CHECK(normalize_f(state, PI0_NORM_ZSCORE, x, -1, NULL) == PI0_ERR_INVALID_ARGUMENT, "negative n");
+    CHECK(unnormalize_f(state, (pi0_norm_mode)7, x, 1, NULL) == PI0_ERR_INVALID_ARGUMENT, "unknown mode");
+    CHECK(normalize_f(state, PI0_NORM_ZSCORE, NULL, 0, NULL) == PI0_OK, "an empty vector is fine");
     CHECK(pi0_norm_stats_load(NULL, &s, NULL) == PI0_ERR_INVALID_ARGUMENT, "NULL path");
     pi0_norm_stats_free(&s);
 }

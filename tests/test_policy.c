@@ -247,7 +247,7 @@ static double numpy_unnormalize(const pi0_norm_entry *e, pi0_norm_mode mode, flo
  * Policy.infer for `count` observations from the lower-level pieces. The noise of a batch of one is
  * pi0_sample_actions' own (noise = NULL, noise_seed); in larger batches each sample's is drawn the way
  * model/plan.c draws a batch of one's. `out` gets the unnormalized actions (count, H, R) in float64; they
- * are checked against pi0_unnormalize (float32 results) on the way.
+ * are checked against pi0_unnormalize (bit for bit) on the way.
  */
 static int reference_batch(const parts *p, const ref_sample *s, int count, pi0_norm_mode mode, int R, double *out) {
     const pi0_dims *d = pi0_model_dims(p->model);
@@ -255,7 +255,8 @@ static int reference_batch(const parts *p, const ref_sample *s, int count, pi0_n
            L = (size_t)d->max_token_len, B = (size_t)count;
     pi0_error err = {0};
     float *bufs[3], *state = calloc(B * A, sizeof(float)), *noise = malloc(B * H * A * sizeof(float));
-    float *actions = malloc(B * H * A * sizeof(float)), *library = malloc(A * sizeof(float));
+    float *actions = malloc(B * H * A * sizeof(float));
+    double *library = malloc(A * sizeof(double));
     uint8_t *masks = calloc(B * 3, 1), *id_mask = calloc(B * L, 1);
     int32_t *ids = calloc(B * L, sizeof(int32_t));
     int ok = 1;
@@ -265,8 +266,10 @@ static int reference_batch(const parts *p, const ref_sample *s, int count, pi0_n
             masks[b * 3 + c] = s[b].images[c] != NULL;
             if (s[b].images[c] && pi0_image_preprocess(s[b].images[c], (int)S, bufs[c] + b * S * S * 3, &err)) ok = 0;
         }
-        memcpy(state + b * A, s[b].state, (size_t)s[b].n * sizeof(float));
-        if (pi0_normalize(pi0_norm_stats_find(&p->stats, "state"), mode, state + b * A, s[b].n, &err)) ok = 0;
+        double raw[64];
+        for (int i = 0; i < s[b].n && i < 64; i++) raw[i] = s[b].state[i];
+        if (s[b].n > 64 || pi0_normalize(pi0_norm_stats_find(&p->stats, "state"), mode, raw, state + b * A, s[b].n, &err))
+            ok = 0;
         if (pi0_tokenize_prompt(p->tok, s[b].prompt, (int)L, ids + b * L, id_mask + b * L, NULL, &err)) ok = 0;
         uint64_t stream = rng_mix64(s[b].seed ^ 0x6e6f697365ull);
         for (size_t i = 0; i < H * A; i++) noise[b * H * A + i] = rng_normal(stream, i);
@@ -278,12 +281,10 @@ static int reference_batch(const parts *p, const ref_sample *s, int count, pi0_n
     if (ok && pi0_sample_actions(p->model, &batch, actions, NULL, &err)) ok = 0;
     const pi0_norm_entry *e = pi0_norm_stats_find(&p->stats, "actions");
     for (size_t t = 0; ok && t < B * H; t++) {
-        memcpy(library, actions + t * A, A * sizeof(float));
-        if (pi0_unnormalize(e, mode, library, (int)A, &err)) ok = 0;
+        if (pi0_unnormalize(e, mode, actions + t * A, library, (int)A, &err)) ok = 0;
         for (int i = 0; ok && i < R; i++) {
             out[t * R + i] = numpy_unnormalize(e, mode, actions[t * A + i], i);
-            double diff = fabs((float)out[t * R + i] - library[i]);
-            if (mode == PI0_NORM_ZSCORE ? diff != 0 : diff > 1e-6 * (fabs(library[i]) + 1)) {
+            if (out[t * R + i] != library[i]) {
                 fprintf(stderr, "  reference: unnormalize %.9g vs pi0_unnormalize %.9g\n", out[t * R + i], library[i]);
                 ok = 0;
             }

@@ -130,9 +130,9 @@ const pi0_norm_entry *pi0_norm_stats_find(const pi0_norm_stats *s, const char *k
     return NULL;
 }
 
-static pi0_status check_args(const char *what, const pi0_norm_entry *e, pi0_norm_mode mode, const float *x, int n,
-                             pi0_error *err) {
-    if (!e || (!x && n > 0) || n < 0)
+static pi0_status check_args(const char *what, const pi0_norm_entry *e, pi0_norm_mode mode, const void *x,
+                             const void *out, int n, pi0_error *err) {
+    if (!e || (n > 0 && (!x || !out)) || n < 0)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s: NULL stats or vector, or negative length %d", what, n);
     if (mode != PI0_NORM_ZSCORE && mode != PI0_NORM_QUANTILE)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s: unknown mode %d", what, (int)mode);
@@ -142,37 +142,39 @@ static pi0_status check_args(const char *what, const pi0_norm_entry *e, pi0_norm
     return PI0_OK;
 }
 
-pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, float *x, int n, pi0_error *err) {
-    pi0_status st = check_args("normalize", e, mode, x, n, err);
+pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, const double *x, float *out, int n,
+                         pi0_error *err) {
+    pi0_status st = check_args("normalize", e, mode, x, out, n, err);
     if (st != PI0_OK) return st;
     /* openpi slices stats[..., :n]; shorter stats would fail to broadcast there. */
     if (n > e->dim)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "normalize: norm stats '%s' have %d values, the vector has %d",
                         e->key, e->dim, n);
     for (int i = 0; i < n; i++) {
-        double v = x[i];
-        if (mode == PI0_NORM_ZSCORE) x[i] = (float)((v - e->mean[i]) / (e->std[i] + 1e-6));
-        else x[i] = (float)((v - e->q01[i]) / (e->q99[i] - e->q01[i] + 1e-6) * 2.0 - 1.0);
+        if (mode == PI0_NORM_ZSCORE) out[i] = (float)((x[i] - e->mean[i]) / (e->std[i] + 1e-6));
+        else out[i] = (float)((x[i] - e->q01[i]) / (e->q99[i] - e->q01[i] + 1e-6) * 2.0 - 1.0);
     }
     return PI0_OK;
 }
 
-pi0_status pi0_unnormalize(const pi0_norm_entry *e, pi0_norm_mode mode, float *x, int n, pi0_error *err) {
-    pi0_status st = check_args("unnormalize", e, mode, x, n, err);
+pi0_status pi0_unnormalize(const pi0_norm_entry *e, pi0_norm_mode mode, const float *x, double *out, int n,
+                           pi0_error *err) {
+    pi0_status st = check_args("unnormalize", e, mode, x, out, n, err);
     if (st != PI0_OK) return st;
     /* The products are separate statements so that no compiler fuses them with the add into an FMA, which
      * would round once where numpy rounds twice. */
     for (int i = 0; i < n; i++) {
-        double v = x[i];
         if (mode == PI0_NORM_ZSCORE) {
             /* Unnormalize._unnormalize: pad_to_dim(mean, n, value=0.0), pad_to_dim(std, n, value=1.0). */
             double mean = i < e->dim ? e->mean[i] : 0.0, std = i < e->dim ? e->std[i] : 1.0;
-            double scaled = v * (std + 1e-6);
-            x[i] = (float)(scaled + mean);
+            double scaled = (double)x[i] * (std + 1e-6);
+            out[i] = scaled + mean;
         } else if (i < e->dim) {
-            /* Unnormalize._unnormalize_quantile: values past the stats are passed through. */
-            double scaled = (v + 1.0) / 2.0 * (e->q99[i] - e->q01[i] + 1e-6);
-            x[i] = (float)(scaled + e->q01[i]);
+            float half = (x[i] + 1.0f) / 2.0f;
+            double scaled = (double)half * (e->q99[i] - e->q01[i] + 1e-6);
+            out[i] = scaled + e->q01[i];
+        } else {
+            out[i] = x[i]; /* Unnormalize._unnormalize_quantile: values past the stats pass through */
         }
     }
     return PI0_OK;

@@ -33,18 +33,22 @@ const pi0_norm_entry *pi0_norm_stats_find(const pi0_norm_stats *s, const char *k
 typedef enum { PI0_NORM_ZSCORE, PI0_NORM_QUANTILE } pi0_norm_mode; /* Pi0: z-score; Pi0.5: quantile */
 
 /*
- * Normalizes x[0..n) in place (transforms.Normalize): z-score (x - mean) / (std + 1e-6) or quantile
- * (x - q01) / (q99 - q01 + 1e-6) * 2 - 1. Stats longer than n: the first n are used. Shorter stats, or
- * quantile mode without q01/q99, are an error.
+ * transforms.Normalize on x[0..n) into out (float32, what the model takes), with numpy's promotions: the
+ * robot's values arrive as float64 (any dtype converts exactly) against float64 stats. z-score
+ * (x - mean) / (std + 1e-6) or quantile (x - q01) / (q99 - q01 + 1e-6) * 2 - 1. Stats longer than n: the
+ * first n are used. Shorter stats, or quantile mode without q01/q99, are an error.
  */
-pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, float *x, int n, pi0_error *err);
+pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, const double *x, float *out, int n,
+                         pi0_error *err);
 
 /*
- * The inverse, in place (transforms.Unnormalize): x * (std + 1e-6) + mean, or (x + 1) / 2 * (q99 - q01 + 1e-6)
- * + q01. Like openpi, a vector longer than the stats is allowed (the model's padded action_dim against the
- * robot's stats): z-score treats the missing stats as mean 0, std 1 (x * (1 + 1e-6)); quantile mode leaves
- * those values unchanged. Stats longer than n: the first n are used.
+ * transforms.Unnormalize of the model's float32 x[0..n) into out (float64, as openpi returns actions), with
+ * numpy's promotions: z-score x * (std + 1e-6) + mean is float64 throughout; quantile's (x + 1.0) / 2.0
+ * stays float32 (a Python float does not promote a float32 array) and only * (q99 - q01 + 1e-6) + q01 is
+ * float64. Like openpi, a vector longer than the stats is allowed (the model's padded action_dim against
+ * the robot's stats): z-score pads mean 0, std 1; quantile passes those values through.
  */
-pi0_status pi0_unnormalize(const pi0_norm_entry *e, pi0_norm_mode mode, float *x, int n, pi0_error *err);
+pi0_status pi0_unnormalize(const pi0_norm_entry *e, pi0_norm_mode mode, const float *x, double *out, int n,
+                           pi0_error *err);
 
 #endif

@@ -400,21 +400,25 @@ static pi0_status prepare_state(const pi0_policy *p, const pi0_observation *obs,
     if (total > e->dim)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the state (\"%s\"%s) has %lld values but norm stats \"state\" "
                         "have %d", a->state_keys[0], a->num_state_keys > 1 ? " ..." : "", (long long)total, e->dim);
+    double *values = malloc((size_t)(total ? total : 1) * sizeof(double));
+    if (!values) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for the state");
     int i = 0;
     for (int k = 0; k < a->num_state_keys; k++) {
         const pi0_field *f = fields[k];
         for (int64_t j = 0; j < pi0_field_numel(f); j++, i++) {
-            double x = element(f, j);
-            if (!isfinite(x))
+            values[i] = element(f, j); /* numpy: any dtype meets the float64 stats as float64 */
+            if (!isfinite(values[i])) {
+                double bad = values[i];
+                free(values);
                 return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\"[%lld] is %g: the state must be finite", f->key,
-                                (long long)j, x);
-            /* transforms.Normalize, as pi0_normalize does it but from the float64 value */
-            if (p->mode == PI0_NORM_ZSCORE) out[i] = (float)((x - e->mean[i]) / (e->std[i] + 1e-6));
-            else out[i] = (float)((x - e->q01[i]) / (e->q99[i] - e->q01[i] + 1e-6) * 2.0 - 1.0);
+                                (long long)j, bad);
+            }
         }
     }
+    pi0_status st = pi0_normalize(e, p->mode, values, out, i, err);
+    free(values);
     for (; i < A; i++) out[i] = 0.0f; /* PadStatesAndActions */
-    return PI0_OK;
+    return st;
 }
 
 /* The prompt (or the adapter's default), tokenized and checked against the model's vocabulary. */
@@ -518,28 +522,6 @@ static void seeded_noise(uint64_t seed, float *noise, size_t n) {
     for (size_t i = 0; i < n; i++) noise[i] = rng_normal(stream, i);
 }
 
-/*
- * transforms.Unnormalize on the robot's first `n` dims, with numpy's promotions: the model's float32 actions
- * meet the float64 stats, so z-score `x * (std + 1e-6) + mean` is float64 throughout, while quantile's
- * `(x + 1.0) / 2.0` stays float32 (a Python float does not promote an array) and only `* (q99 - q01 + 1e-6)
- * + q01` is float64. Past the stats, z-score pads mean 0 / std 1 and quantile passes values through.
- */
-static void unnormalize(const pi0_norm_entry *e, pi0_norm_mode mode, const float *x, double *out, int n) {
-    for (int i = 0; i < n; i++) {
-        if (mode == PI0_NORM_ZSCORE) {
-            double mean = i < e->dim ? e->mean[i] : 0.0, std = i < e->dim ? e->std[i] : 1.0;
-            double scaled = (double)x[i] * (std + 1e-6);
-            out[i] = scaled + mean;
-        } else if (i < e->dim) {
-            float half = (x[i] + 1.0f) / 2.0f;
-            double scaled = (double)half * (e->q99[i] - e->q01[i] + 1e-6);
-            out[i] = scaled + e->q01[i];
-        } else {
-            out[i] = x[i];
-        }
-    }
-}
-
 void pi0_policy_result_free(pi0_policy_result *r) {
     if (!r) return;
     free(r->actions);
@@ -607,7 +589,11 @@ pi0_status pi0_policy_infer(pi0_policy *p, const pi0_observation *const *obs, co
                 continue;
             }
             for (int t = 0; t < H; t++)
-                unnormalize(p->action_stats, p->mode, p->actions + v * chunk + (size_t)t * A, r->actions + (size_t)t * R, R);
+                if (pi0_unnormalize(p->action_stats, p->mode, p->actions + v * chunk + (size_t)t * A,
+                                    r->actions + (size_t)t * R, R, &r->error)) {
+                    free(r->actions), r->actions = NULL;
+                    break;
+                }
         }
     }
     if (infer_ms) *infer_ms = pi0_now_ms() - t0;
