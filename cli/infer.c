@@ -14,7 +14,7 @@
 
 static const char *help =
     "usage: pi0 infer --checkpoint DIR --adapter NAME|FILE --obs OBS.msgpack [--output OUT.msgpack]\n"
-    "                 [--tokenizer PATH] [--norm-stats PATH] [--steps N] [--seed N]\n"
+    "                 [--tokenizer PATH] [--norm-stats PATH] [--quantile-norm] [--steps N] [--seed N]\n"
     "                 [--backend auto|cpu|cuda] [--json] [--quiet]\n"
     "\n"
     "Runs openpi's Policy.infer on one observation: the adapter picks the cameras, state and prompt;\n"
@@ -30,6 +30,7 @@ static const char *help =
     "  --tokenizer PATH     default: DIR/paligemma_tokenizer.model, then\n"
     "                       ~/.cache/openpi/big_vision/paligemma_tokenizer.model\n"
     "  --norm-stats PATH    default: the one norm_stats.json under DIR/assets/\n"
+    "  --quantile-norm      normalize with q01/q99 (openpi's use_quantile_norm) instead of z-score\n"
     "  --steps N            Euler steps (default 10)\n"
     "  --seed N             noise seed (default 0); `pi0 serve --seed N` answers the same observation alike\n"
     "  --json               print {\"actions\": [[...]], \"infer_ms\": ...} instead of a table\n"
@@ -121,6 +122,7 @@ int cmd_infer(int argc, char **argv) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--json")) { json = 1; continue; }
         if (!strcmp(argv[i], "--quiet")) { quiet = 1; continue; }
+        if (!strcmp(argv[i], "--quantile-norm")) { opts.norm_mode = PI0_NORM_QUANTILE; continue; }
         if ((r = flag_value(argc, argv, &i, "--checkpoint", &opts.checkpoint)) ||
             (r = flag_value(argc, argv, &i, "--adapter", &opts.adapter)) ||
             (r = flag_value(argc, argv, &i, "--obs", &obs_path)) || (r = flag_value(argc, argv, &i, "--output", &output)) ||

@@ -10,7 +10,7 @@
 static const char *help =
     "usage: pi0 serve --checkpoint DIR --adapter libero|droid|FILE.json [--host 127.0.0.1] [--port 8000]\n"
     "                 [--max-batch 8] [--batch-wait-ms 2] [--max-frame-mb 64] [--tokenizer PATH]\n"
-    "                 [--norm-stats PATH] [--steps N] [--seed N] [--backend auto|cpu|cuda] [--quiet]\n"
+    "                 [--norm-stats PATH] [--quantile-norm] [--steps N] [--seed N] [--backend auto|cpu|cuda] [--quiet]\n"
     "\n"
     "Serves the policy over openpi's websocket protocol: openpi_client's WebsocketClientPolicy connects to\n"
     "ws://HOST:PORT, gets a metadata map, then sends msgpack observations and gets back\n"
@@ -28,6 +28,7 @@ static const char *help =
     "  --adapter            how the robot's observation maps onto the model: libero, droid, or a JSON file\n"
     "  --tokenizer PATH     default: DIR/paligemma_tokenizer.model, then openpi's download cache\n"
     "  --norm-stats PATH    default: the norm_stats.json under DIR/assets/\n"
+    "  --quantile-norm      normalize with q01/q99 (openpi's use_quantile_norm) instead of z-score\n"
     "  --steps N            Euler steps (default 10)\n"
     "  --seed N             every request uses noise from seed N (reproducible); default: a fresh seed each\n"
     "  --port 0             any free port (the \"listening on\" line says which)\n"
@@ -63,9 +64,11 @@ int cmd_serve(int argc, char **argv) {
     const char *host = "127.0.0.1", *value;
     long long port = 8000, max_batch = 8, wait_ms = 2, frame_mb = 64, steps = 10, seed = 0;
     int has_seed = 0, quiet = 0, r;
+    pi0_norm_mode norm_mode = PI0_NORM_ZSCORE;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--quiet")) { quiet = 1; continue; }
+        if (!strcmp(argv[i], "--quantile-norm")) { norm_mode = PI0_NORM_QUANTILE; continue; }
         if ((r = flag_value(argc, argv, &i, "--checkpoint", &checkpoint)) || (r = flag_value(argc, argv, &i, "--adapter", &adapter)) ||
             (r = flag_value(argc, argv, &i, "--tokenizer", &tokenizer)) || (r = flag_value(argc, argv, &i, "--norm-stats", &norm_stats)) ||
             (r = flag_value(argc, argv, &i, "--backend", &backend_name)) || (r = flag_value(argc, argv, &i, "--host", &host))) {
@@ -96,7 +99,7 @@ int cmd_serve(int argc, char **argv) {
     int last_percent = -1;
     pi0_policy_options popts = {
         .checkpoint = checkpoint, .adapter = adapter, .tokenizer = tokenizer, .norm_stats = norm_stats,
-        .norm_mode = PI0_NORM_ZSCORE, .num_steps = (int)steps,
+        .norm_mode = norm_mode, .num_steps = (int)steps,
         .model = {.backend = backend, .progress = quiet ? NULL : progress_to_stderr, .progress_user = &last_percent},
     };
     pi0_policy *policy;

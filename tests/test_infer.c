@@ -248,6 +248,23 @@ TEST(libero_table_json_and_output) {
     REQUIRE(read_reply(out, &again, shape, &infer_ms) == 0);
     CHECK(!memcmp(again, actions, 70 * sizeof(double)), "the same seed gave other actions");
     free(again);
+    /* --quantile-norm: the library's quantile mode, other actions than z-score */
+    REQUIRE(run_pi0(NULL, 0, "infer --checkpoint %s --adapter libero --obs %s --steps 3 --seed 9 --quiet --quantile-norm "
+                    "--output %s", ck, obs, out) == 0, "%s", last_stderr());
+    REQUIRE(read_reply(out, &again, shape, &infer_ms) == 0);
+    opts.norm_mode = PI0_NORM_QUANTILE;
+    REQUIRE(pi0_policy_open(&opts, &pol, &err) == PI0_OK, "%s", err.message);
+    f = fopen(obs, "rb");
+    n = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    REQUIRE(pi0_observation_decode(buf, n, &ob, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_policy_infer(pol, list, &seed, 1, &r, NULL, &err) == PI0_OK && r.error.status == PI0_OK);
+    CHECK(memcmp(again, actions, 70 * sizeof(double)) != 0, "--quantile-norm ignored");
+    CHECK(!memcmp(r.actions, again, 70 * sizeof(double)), "--quantile-norm differs from the library's quantile mode");
+    pi0_policy_result_free(&r);
+    pi0_observation_free(&ob);
+    pi0_policy_free(pol);
+    free(again);
     free(actions);
 }
 
