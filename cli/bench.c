@@ -161,15 +161,15 @@ done:
 }
 
 int cmd_bench(int argc, char **argv) {
-    const char *checkpoint = NULL, *dims_path = NULL, *backend_name = "auto", *value;
+    const char *checkpoint = NULL, *dims_path = NULL, *backend_name = "auto";
     workload w = {.batch = 1, .cameras = 3, .masked = 1, .prompt_len = 20, .horizon = 10, .steps = 10, .warmup = -1,
                   .iters = -1, .seed = 0};
-    struct { const char *name; long long *out, min, max; } ints[] = {
-        {"--batch", &w.batch, 1, 4096},      {"--cameras", &w.cameras, 0, 16},   {"--masked-cameras", &w.masked, 0, 16},
-        {"--prompt-len", &w.prompt_len, 0, 4096}, {"--horizon", &w.horizon, 1, 4096}, {"--steps", &w.steps, 1, 10000},
-        {"--warmup", &w.warmup, 0, 1000000}, {"--iters", &w.iters, 1, 1000000}, {"--seed", &w.seed, 0, INT64_MAX},
+    const int_flag ints[] = {
+        {"--batch", 1, 4096, &w.batch},      {"--cameras", 0, 16, &w.cameras},   {"--masked-cameras", 0, 16, &w.masked},
+        {"--prompt-len", 0, 4096, &w.prompt_len}, {"--horizon", 1, 4096, &w.horizon}, {"--steps", 1, 10000, &w.steps},
+        {"--warmup", 0, 1000000, &w.warmup}, {"--iters", 1, 1000000, &w.iters}, {"--seed", 0, INT64_MAX, &w.seed},
     };
-    int json = 0, r;
+    int json = 0, r, bad;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--json")) { json = 1; continue; }
@@ -178,14 +178,9 @@ int cmd_bench(int argc, char **argv) {
             if (r < 0) return usage_error("bench", "%s needs a value", argv[i]);
             continue;
         }
-        int matched = 0;
-        for (size_t k = 0; k < sizeof ints / sizeof ints[0] && !matched; k++) {
-            if (!(r = flag_value(argc, argv, &i, ints[k].name, &value))) continue;
-            if (r < 0 || parse_int(value, ints[k].min, ints[k].max, ints[k].out))
-                return usage_error("bench", "%s takes an integer in %lld..%lld", ints[k].name, ints[k].min, ints[k].max);
-            matched = 1;
-        }
-        if (!matched) return usage_error("bench", "unknown option '%s'", argv[i]);
+        const int_flag *f = int_flag_value(argc, argv, &i, ints, sizeof ints / sizeof ints[0], &bad);
+        if (!f) return usage_error("bench", "unknown option '%s'", argv[i]);
+        if (bad) return int_flag_error("bench", f);
     }
     if (w.masked > w.cameras) return usage_error("bench", "--masked-cameras exceeds --cameras");
     if (checkpoint && dims_path) return usage_error("bench", "--checkpoint and --dims exclude each other");

@@ -4,6 +4,7 @@
 #ifndef PI0_CLI_H
 #define PI0_CLI_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "pi0.h"
@@ -29,6 +30,18 @@ int parse_int(const char *s, long long min, long long max, long long *out);
 
 /* Flag helpers for `for (i = 1; i < argc; i++)` loops: match argv[i] == name and take argv[++i]. */
 int flag_value(int argc, char **argv, int *i, const char *name, const char **value);
+
+/* An integer flag: its name, the accepted range and where the value goes. */
+typedef struct {
+    const char *name;
+    long long min, max, *out;
+} int_flag;
+
+/* If argv[*i] is one of flags[0..count), takes and parses its value and returns that flag, with *bad set
+ * when the value is missing or outside [min, max] (see int_flag_error); NULL when argv[*i] is none of them. */
+const int_flag *int_flag_value(int argc, char **argv, int *i, const int_flag *flags, size_t count, int *bad);
+/* The usage error for a bad int_flag value ("--steps takes an integer in 1..10000"). */
+int int_flag_error(const char *cmd, const int_flag *flag);
 
 /* A load-progress callback printing whole percents to stderr. */
 void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total);

@@ -39,6 +39,21 @@ int flag_value(int argc, char **argv, int *i, const char *name, const char **val
     return 1;
 }
 
+const int_flag *int_flag_value(int argc, char **argv, int *i, const int_flag *flags, size_t count, int *bad) {
+    const char *value;
+    for (size_t k = 0; k < count; k++) {
+        int r = flag_value(argc, argv, i, flags[k].name, &value);
+        if (!r) continue;
+        *bad = r < 0 || parse_int(value, flags[k].min, flags[k].max, flags[k].out);
+        return &flags[k];
+    }
+    return NULL;
+}
+
+int int_flag_error(const char *cmd, const int_flag *flag) {
+    return usage_error(cmd, "%s takes an integer in %lld..%lld", flag->name, flag->min, flag->max);
+}
+
 void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total) {
     int *last_percent = user;
     int percent = total ? (int)(done * 100 / total) : 100;

@@ -114,10 +114,10 @@ static void print_table(const pi0_policy_result *r, const char *adapter, double 
 }
 
 int cmd_infer(int argc, char **argv) {
-    const char *obs_path = NULL, *output = NULL, *backend_name = "auto", *value;
+    const char *obs_path = NULL, *output = NULL, *backend_name = "auto";
     pi0_policy_options opts = {0};
     long long steps = 10, seed = 0;
-    int json = 0, quiet = 0, r;
+    int json = 0, quiet = 0, r, bad;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--json")) { json = 1; continue; }
@@ -132,12 +132,9 @@ int cmd_infer(int argc, char **argv) {
             if (r < 0) return usage_error("infer", "%s needs a value", argv[i]);
             continue;
         }
-        if ((r = flag_value(argc, argv, &i, "--steps", &value))) {
-            if (r < 0 || parse_int(value, 1, 10000, &steps)) return usage_error("infer", "--steps takes 1..10000");
-            continue;
-        }
-        if ((r = flag_value(argc, argv, &i, "--seed", &value))) {
-            if (r < 0 || parse_int(value, 0, INT64_MAX, &seed)) return usage_error("infer", "--seed takes a non-negative integer");
+        const int_flag ints[] = {{"--steps", 1, 10000, &steps}, {"--seed", 0, INT64_MAX, &seed}}, *f;
+        if ((f = int_flag_value(argc, argv, &i, ints, 2, &bad))) {
+            if (bad) return int_flag_error("infer", f);
             continue;
         }
         return usage_error("infer", "unknown option '%s'", argv[i]);

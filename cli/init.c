@@ -12,9 +12,9 @@ static const char *help =
     "one written by this command or the fixtures'). --bf16 stores bfloat16 instead of float32.\n";
 
 int cmd_init(int argc, char **argv) {
-    const char *output = NULL, *dims_path = NULL, *value;
+    const char *output = NULL, *dims_path = NULL;
     long long seed = 0;
-    int bf16 = 0, r;
+    int bf16 = 0, r, bad;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--bf16")) { bf16 = 1; continue; }
@@ -22,8 +22,9 @@ int cmd_init(int argc, char **argv) {
             if (r < 0) return usage_error("init", "%s needs a value", argv[i]);
             continue;
         }
-        if ((r = flag_value(argc, argv, &i, "--seed", &value))) {
-            if (r < 0 || parse_int(value, 0, INT64_MAX, &seed)) return usage_error("init", "--seed takes a non-negative integer");
+        const int_flag seed_flag = {"--seed", 0, INT64_MAX, &seed};
+        if (int_flag_value(argc, argv, &i, &seed_flag, 1, &bad)) {
+            if (bad) return int_flag_error("init", &seed_flag);
             continue;
         }
         return usage_error("init", "unknown option '%s'", argv[i]);

@@ -195,9 +195,9 @@ static void print_json(const char *output, int B, int H, int A, const pi0_timing
 }
 
 int cmd_sample(int argc, char **argv) {
-    const char *checkpoint = NULL, *inputs = NULL, *output = NULL, *backend_name = "auto", *value;
+    const char *checkpoint = NULL, *inputs = NULL, *output = NULL, *backend_name = "auto";
     long long steps = 10, seed = 0;
-    int json = 0, quiet = 0, r;
+    int json = 0, quiet = 0, r, bad;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--json")) { json = 1; continue; }
@@ -207,12 +207,9 @@ int cmd_sample(int argc, char **argv) {
             if (r < 0) return usage_error("sample", "%s needs a value", argv[i]);
             continue;
         }
-        if ((r = flag_value(argc, argv, &i, "--steps", &value))) {
-            if (r < 0 || parse_int(value, 1, 10000, &steps)) return usage_error("sample", "--steps takes 1..10000");
-            continue;
-        }
-        if ((r = flag_value(argc, argv, &i, "--seed", &value))) {
-            if (r < 0 || parse_int(value, 0, INT64_MAX, &seed)) return usage_error("sample", "--seed takes a non-negative integer");
+        const int_flag ints[] = {{"--steps", 1, 10000, &steps}, {"--seed", 0, INT64_MAX, &seed}}, *f;
+        if ((f = int_flag_value(argc, argv, &i, ints, 2, &bad))) {
+            if (bad) return int_flag_error("sample", f);
             continue;
         }
         return usage_error("sample", "unknown option '%s'", argv[i]);

@@ -61,9 +61,9 @@ static void log_line(void *user, const char *line) {
 
 int cmd_serve(int argc, char **argv) {
     const char *checkpoint = NULL, *adapter = NULL, *tokenizer = NULL, *norm_stats = NULL, *backend_name = "auto";
-    const char *host = "127.0.0.1", *value;
+    const char *host = "127.0.0.1";
     long long port = 8000, max_batch = 8, wait_ms = 2, frame_mb = 64, steps = 10, seed = 0;
-    int has_seed = 0, quiet = 0, r;
+    int has_seed = 0, quiet = 0, r, bad;
     pi0_norm_mode norm_mode = PI0_NORM_ZSCORE;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
@@ -75,19 +75,16 @@ int cmd_serve(int argc, char **argv) {
             if (r < 0) return usage_error("serve", "%s needs a value", argv[i]);
             continue;
         }
-        struct { const char *name; long long min, max, *out; } ints[] = {
+        const int_flag ints[] = {
             {"--port", 0, 65535, &port}, {"--max-batch", 1, 64, &max_batch}, {"--batch-wait-ms", 0, 60000, &wait_ms},
             {"--max-frame-mb", 1, 4096, &frame_mb}, {"--steps", 1, 10000, &steps}, {"--seed", 0, INT64_MAX, &seed},
         };
-        int matched = 0;
-        for (size_t k = 0; k < sizeof ints / sizeof ints[0] && !matched; k++) {
-            if (!(r = flag_value(argc, argv, &i, ints[k].name, &value))) continue;
-            if (r < 0 || parse_int(value, ints[k].min, ints[k].max, ints[k].out))
-                return usage_error("serve", "%s takes an integer in %lld..%lld", ints[k].name, ints[k].min, ints[k].max);
-            if (!strcmp(ints[k].name, "--seed")) has_seed = 1;
-            matched = 1;
+        const int_flag *f = int_flag_value(argc, argv, &i, ints, sizeof ints / sizeof ints[0], &bad);
+        if (f) {
+            if (bad) return int_flag_error("serve", f);
+            has_seed |= f->out == &seed;
+            continue;
         }
-        if (matched) continue;
         return usage_error("serve", "unknown option '%s'", argv[i]);
     }
     if (!checkpoint) return usage_error("serve", "--checkpoint is required");
