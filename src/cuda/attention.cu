@@ -484,6 +484,23 @@ __global__ void __launch_bounds__(kThreads, HD <= 128 ? 4 : 2) attention_kernel(
     }
 }
 
+/* A launch of `grid` as clusters of `split` blocks along x (the key split); `attr` must outlive the config. */
+template <int HD>
+cudaLaunchConfig_t cluster_config(dim3 grid, int split, cudaStream_t stream, cudaLaunchAttribute *attr) {
+    attr->id = cudaLaunchAttributeClusterDimension;
+    attr->val.clusterDim.x = (unsigned)split;
+    attr->val.clusterDim.y = 1;
+    attr->val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = AttnConfig<HD>::SMEM;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cfg;
+}
+
 /* Per device and instantiation: the dynamic shared-memory limit raised, and what the split needs. */
 struct DeviceInfo {
     int ready;
@@ -523,17 +540,8 @@ cudaError_t configure(DeviceInfo *out) {
         if (cudaFuncSetAttribute(attention_kernel<HD>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
             (void)cudaGetLastError();
         for (int split = kMaxSplit; split > 1; split /= 2) {
-            cudaLaunchConfig_t cfg = {};
             cudaLaunchAttribute attr;
-            attr.id = cudaLaunchAttributeClusterDimension;
-            attr.val.clusterDim.x = (unsigned)split;
-            attr.val.clusterDim.y = 1;
-            attr.val.clusterDim.z = 1;
-            cfg.gridDim = dim3((unsigned)split, 1, 1);
-            cfg.blockDim = dim3(kThreads, 1, 1);
-            cfg.dynamicSmemBytes = AttnConfig<HD>::SMEM;
-            cfg.attrs = &attr;
-            cfg.numAttrs = 1;
+            cudaLaunchConfig_t cfg = cluster_config<HD>(dim3((unsigned)split, 1, 1), split, 0, &attr);
             int clusters = 0;
             e = cudaOccupancyMaxActiveClusters(&clusters, attention_kernel<HD>, &cfg);
             if (e != cudaSuccess) {
@@ -600,18 +608,8 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
             attention_kernel<HD><<<grid, kThreads, AttnConfig<HD>::SMEM, stream>>>(p);
             e = cudaGetLastError();
         } else {
-            cudaLaunchConfig_t cfg = {};
             cudaLaunchAttribute attr;
-            attr.id = cudaLaunchAttributeClusterDimension;
-            attr.val.clusterDim.x = (unsigned)split;
-            attr.val.clusterDim.y = 1;
-            attr.val.clusterDim.z = 1;
-            cfg.gridDim = grid;
-            cfg.blockDim = dim3(kThreads, 1, 1);
-            cfg.dynamicSmemBytes = AttnConfig<HD>::SMEM;
-            cfg.stream = stream;
-            cfg.attrs = &attr;
-            cfg.numAttrs = 1;
+            cudaLaunchConfig_t cfg = cluster_config<HD>(grid, split, stream, &attr);
             e = cudaLaunchKernelEx(&cfg, attention_kernel<HD>, p);
         }
         if (e != cudaSuccess) return e;
