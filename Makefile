@@ -62,6 +62,7 @@ LIB_SRC += $(wildcard src/cuda/*.c)
 CFLAGS_ALL += -DPI0_WITH_CUDA -isystem $(CUDA_HOME)/include
 LDLIBS_ALL += -L$(CUDA_HOME)/lib64 -lcublasLt -lcudart -lstdc++
 GPU_TEST_BIN = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
+LAB_BIN = $(BUILD)/bench/layer_lab
 NVCCFLAGS = -O3 -std=c++17 $(CUDA_ARCHS) -Xcompiler -fPIC -Iinclude -Isrc --expt-relaxed-constexpr \
             -Werror all-warnings
 endif
@@ -93,6 +94,10 @@ $(BUILD)/libpi0.so: $(LIB_OBJ)
 $(BUILD)/pi0: $(CLI_OBJ) $(BUILD)/libpi0.a
 	$(CC) -o $@ $^ $(LDLIBS_ALL)
 
+$(BUILD)/bench/%: bench/%.c $(BUILD)/libpi0.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
+
 $(BUILD)/tests/gpu/%: tests/gpu/%.c $(BUILD)/libpi0.a tests/check.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
@@ -106,11 +111,11 @@ run: $(BUILD)/pi0
 
 # The GPU tests are built here too (so a CPU-only machine with nvcc still compiles every CUDA
 # source and GPU test), but only run by test-gpu.
-test: $(TEST_BIN) $(GPU_TEST_BIN) $(TOOL_BIN) $(BUILD)/pi0
+test: $(TEST_BIN) $(GPU_TEST_BIN) $(LAB_BIN) $(TOOL_BIN) $(BUILD)/pi0
 	PI0_BIN=$(BUILD)/pi0 PI0_TOOLS=$(BUILD)/tests PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(TEST_BIN) tests/crosscheck.sh \
 	  $(if $(filter 1,$(WITH_SERVER)),tests/server.sh)
 
-test-gpu: $(GPU_TEST_BIN) $(BUILD)/pi0
+test-gpu: $(GPU_TEST_BIN) $(LAB_BIN) $(BUILD)/pi0
 	@test -n "$(GPU_TEST_BIN)" || { echo "test-gpu needs nvcc (CUDA toolkit) at build time"; exit 1; }
 	PI0_BIN=$(BUILD)/pi0 PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(GPU_TEST_BIN)
 

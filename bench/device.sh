@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs, in one call of the device machine: unpack the carried Debian
 # packages (OpenBLAS, jansson, msgpack-c, libwebsockets), build for sm_90a, run the GPU tests, then the
-# benchmarks. Usage (on the device): bench/device.sh [build|tests|bench|serve|all]; logs go to $OUT (or
+# benchmarks. Usage (on the device): bench/device.sh [build|tests|lab|quick|bench|serve|all]; logs go to $OUT (or
 # ./device-out). `serve` times `pi0 serve` on a real-size random checkpoint with openpi's client, whose
 # wheels are carried in .deps/wheels (the device has no package registry).
 set -uo pipefail
@@ -30,15 +30,25 @@ make_args=(BLAS_CFLAGS="-I$root/usr/include/x86_64-linux-gnu/openblas-openmp" BL
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 make -j16 "${make_args[@]}" all > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-make -j16 "${make_args[@]}" $(ls tests/gpu/test_*.c | sed 's#tests/gpu/\(.*\)\.c#build/tests/gpu/\1#') >> "$OUT/build.log" 2>&1 \
+make -j16 "${make_args[@]}" build/bench/layer_lab $(ls tests/gpu/test_*.c | sed 's#tests/gpu/\(.*\)\.c#build/tests/gpu/\1#') >> "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; exit 1; }
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
     PI0_BIN=build/pi0 tests/run.sh build/tests/gpu/test_* 2>&1 | tee "$OUT/test-gpu.log" | grep -E '^(ok|FAIL|broken|[0-9]+ passed)'
 fi
+# BEFORE="VAR=value" adds a same-run "before" row for the seed workload and H=50 (an A/B knob).
+run() { echo "## ${AB:+$AB }build/pi0 bench $*"; env ${AB:-} build/pi0 bench "$@" --json; }
+if [ "$what" = lab ]; then    # per-kernel cost of one denoise layer in a graph (bench/layer_lab.c)
+    build/bench/layer_lab | tee "$OUT/lab.txt"
+fi
+if [ "$what" = quick ]; then   # the seed workload and H=50 only (with BEFORE rows): a fast A/B
+    {
+        if [ -n "${BEFORE:-}" ]; then AB=$BEFORE run; AB=$BEFORE run --horizon 50; fi
+        run; run --horizon 50
+    } > "$OUT/bench.jsonl" 2> "$OUT/bench.err"
+    python3 bench/table.py "$OUT/bench.jsonl"
+fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    # BEFORE="VAR=value" adds a same-run "before" row for the seed workload and H=50 (an A/B knob).
-    run() { echo "## ${AB:+$AB }build/pi0 bench $*"; env ${AB:-} build/pi0 bench "$@" --json; }
     {
         if [ -n "${BEFORE:-}" ]; then AB=$BEFORE run; AB=$BEFORE run --horizon 50; fi
         run                                              # seed workload: B=1, 3 cameras (1 masked), H=10

@@ -49,6 +49,7 @@
  * uses the unrounded fp32 values. (5) Every block of a split loads the same Q tile (from L2).
  */
 #include "cuda/attention.h"
+#include "cuda/device.cuh"
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -56,6 +57,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include <cuda_bf16.h>
 
 namespace {
 
@@ -136,21 +140,6 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t r[2], uint32_t addr) {
                  : "=r"(r[0]), "=r"(r[1])
                  : "r"(addr)
                  : "memory");
-}
-
-/* c (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col) */
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/* Two floats -> packed bf16x2 (round to nearest even): lo in the low half (lower column). */
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
 }
 
 /*
@@ -619,14 +608,279 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
 
 bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
 
+/*
+ * Few queries against many keys (a small-batch denoise step: 11 tokens x 8 heads = 88 virtual rows
+ * over ~540 keys). The tiled kernel above pays for this shape with a long chain per block (a 64-key
+ * tile is ~256 dependent mma.sync per warp, ~3.7 us on an H100) and a cluster merge (~5 us). Here
+ * the keys are spread thin instead: kDecodeBlocks blocks per (kv head, segment), block b taking the
+ * 32-key chunks b, b + kDecodeBlocks, ...; each of its 8 warps holds one 16-row tile of all the
+ * segment's virtual rows (up to kDecodeRows), so a chunk of K and V is loaded once for every row and
+ * a warp's chain per chunk is a quarter of a tile's. Each block writes its unnormalized partial
+ * (O, max, sum) per row to a float32 workspace; a second kernel merges the partials of a row in block
+ * order (deterministic) and writes bf16. Numerics are the tiled kernel's (log2-domain softmax, P
+ * rounded to bf16 for P V).
+ */
+constexpr int kDecodeKeys = 32;     /* keys per chunk */
+constexpr int kDecodeBlocks = 32;   /* blocks per (kv head, segment) */
+constexpr int kDecodeRows = 128;    /* virtual rows per segment at most: 8 warps x 16 */
+constexpr int kDecodeThreads = 256;
+constexpr int kDecodeProblems = 16; /* segments x kv heads at most (beyond, the tiled kernel fills the GPU) */
+
+template <int HD>
+struct DecodeConfig {
+    using C = AttnConfig<HD>;
+    static constexpr size_t SMEM = (size_t)(kDecodeRows + 2 * kDecodeKeys) * C::LDS * sizeof(uint16_t);
+    static constexpr size_t PART_ROWS = (size_t)kDecodeBlocks * kDecodeRows; /* per (segment, kv head) */
+};
+
+/* Workspace: O partials [problem][block][row][HD] floats, then (max, sum) [problem][block][row]. */
+size_t decode_workspace_bytes(int problems, int head_dim) {
+    return (size_t)problems * kDecodeBlocks * kDecodeRows * ((size_t)head_dim + 2) * sizeof(float);
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnParams p, float *ws) {
+    using C = AttnConfig<HD>;
+    const attn_segment seg = p.segments[blockIdx.z];
+    const int G = p.group, rows_total = seg.num_q * G, num_k = seg.num_k;
+    const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys;
+    if (seg.num_q <= 0 || num_k <= 0 || (int)blockIdx.x >= n_chunks) return; /* block-uniform */
+    const int kvh = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int state_vis = seg.state_keys > 0 ? min(seg.state_keys, num_k) : num_k;
+    uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem);
+    uint16_t *sK = sQ + kDecodeRows * C::LDS;
+    uint16_t *sV = sK + kDecodeKeys * C::LDS;
+    const uint16_t *qbase = p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * HD;
+    const uint16_t *kbase = p.k + (size_t)seg.k_row * p.ldkv + (size_t)kvh * HD;
+    const uint16_t *vbase = p.v + (size_t)seg.k_row * p.ldkv + (size_t)kvh * HD;
+    const bool vec_q = p.vec_q != 0, vec_kv = p.vec_kv != 0;
+    const int row_tiles = (rows_total + 15) / 16;
+
+    if constexpr (C::HDP > HD) { /* zero the pad columns once */
+        for (int i = tid; i < kDecodeRows + 2 * kDecodeKeys; i += kDecodeThreads)
+            *reinterpret_cast<uint4 *>(sQ + i * C::LDS + HD) = make_uint4(0, 0, 0, 0);
+    }
+    for (int i = tid; i < row_tiles * 16 * C::CH; i += kDecodeThreads) {
+        const int r = i / C::CH, c = i % C::CH;
+        const bool valid = r < rows_total;
+        const int t = valid ? r / G : 0, hh = valid ? r - t * G : 0;
+        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * HD + c * 8, valid, vec_q);
+    }
+    auto load_kv = [&](int key0) {
+        for (int i = tid; i < 2 * kDecodeKeys * C::CH; i += kDecodeThreads) {
+            const int which = i / (kDecodeKeys * C::CH), j = i % (kDecodeKeys * C::CH);
+            const int r = j / C::CH, c = j % C::CH, key = key0 + r;
+            const bool valid = key < num_k;
+            copy_chunk((which ? sV : sK) + r * C::LDS + c * 8,
+                       (which ? vbase : kbase) + (size_t)(valid ? key : 0) * p.ldkv + c * 8, valid, vec_kv);
+        }
+        cp_async_commit();
+    };
+
+    const int lrow = lane & 7, lsel1 = (lane >> 3) & 1, lsel2 = lane >> 4;
+    const uint32_t q_addr = smem_addr(sQ + (warp * 16 + lrow + lsel1 * 8) * C::LDS + lsel2 * 8);
+    const uint32_t k_addr = smem_addr(sK + (lrow + lsel2 * 8) * C::LDS + lsel1 * 8);
+    const uint32_t v_addr = smem_addr(sV + (lrow + lsel1 * 8) * C::LDS + lsel2 * 8);
+    const int quad_row = lane >> 2, quad_col = lane & 3;
+    const int vr0 = warp * 16 + quad_row, vr1 = vr0 + 8;
+    const int vis0 = vr0 < G ? state_vis : num_k, vis1 = vr1 < G ? state_vis : num_k;
+    const bool warp_active = warp < row_tiles; /* warp-uniform */
+
+    float o[C::NTO][4];
+#pragma unroll
+    for (int t = 0; t < C::NTO; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int chunk = blockIdx.x; chunk < n_chunks; chunk += gridDim.x) {
+        const int key0 = chunk * kDecodeKeys;
+        load_kv(key0);
+        cp_async_wait_all(); /* K, V (and Q, first time) landed for this thread ... */
+        __syncthreads();     /* ... and for every thread */
+        if (warp_active) {
+            float s[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < C::KCH; kc++) {
+                uint32_t a[4];
+                ldsm_x4(a, q_addr + kc * 32);
+#pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    uint32_t b[4];
+                    ldsm_x4(b, k_addr + (np * 16 * C::LDS + kc * 16) * 2);
+                    mma_bf16(s[2 * np], a, b[0], b[1]);
+                    mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+            float mx0 = m0, mx1 = m1;
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                const int key = key0 + n * 8 + quad_col * 2;
+                s[n][0] = key < vis0 ? s[n][0] * p.scale_log2 : -INFINITY;
+                s[n][1] = key + 1 < vis0 ? s[n][1] * p.scale_log2 : -INFINITY;
+                s[n][2] = key < vis1 ? s[n][2] * p.scale_log2 : -INFINITY;
+                s[n][3] = key + 1 < vis1 ? s[n][3] * p.scale_log2 : -INFINITY;
+                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            /* rows with every key so far masked keep mx = -inf: exp2(-inf - 0) = 0, no NaN */
+            const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
+            const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
+            m0 = mx0, m1 = mx1, l0 *= alpha0, l1 *= alpha1;
+#pragma unroll
+            for (int t = 0; t < C::NTO; t++) {
+                o[t][0] *= alpha0, o[t][1] *= alpha0;
+                o[t][2] *= alpha1, o[t][3] *= alpha1;
+            }
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                s[n][0] = exp2f(s[n][0] - base0), s[n][1] = exp2f(s[n][1] - base0);
+                s[n][2] = exp2f(s[n][2] - base1), s[n][3] = exp2f(s[n][3] - base1);
+                l0 += s[n][0] + s[n][1];
+                l1 += s[n][2] + s[n][3];
+            }
+#pragma unroll
+            for (int kc = 0; kc < 2; kc++) {
+                uint32_t a[4];
+                a[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
+                a[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
+                a[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+                a[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+                for (int dp = 0; dp < C::NTO / 2; dp++) {
+                    uint32_t b[4];
+                    ldsm_x4_trans(b, v_addr + (kc * 16 * C::LDS + dp * 16) * 2);
+                    mma_bf16(o[2 * dp], a, b[0], b[1]);
+                    mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+                }
+                if constexpr (C::NTO % 2 != 0) {
+                    uint32_t b[2];
+                    ldsm_x2_trans(b, v_addr + (kc * 16 * C::LDS + (C::NTO - 1) * 8) * 2);
+                    mma_bf16(o[C::NTO - 1], a, b[0], b[1]);
+                }
+            }
+        }
+        __syncthreads(); /* every warp is done with this chunk's K and V */
+    }
+    if (!warp_active) return;
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const size_t problem = (size_t)blockIdx.z * gridDim.y + kvh;
+    const size_t part = (problem * kDecodeBlocks + blockIdx.x) * kDecodeRows;
+    float *wo = ws + part * HD;
+    float2 *wml = reinterpret_cast<float2 *>(ws + (size_t)gridDim.z * gridDim.y * DecodeConfig<HD>::PART_ROWS * HD) + part;
+#pragma unroll
+    for (int t = 0; t < C::NTO; t++) {
+        if (vr0 < rows_total) *reinterpret_cast<float2 *>(wo + (size_t)vr0 * HD + t * 8 + quad_col * 2) = make_float2(o[t][0], o[t][1]);
+        if (vr1 < rows_total) *reinterpret_cast<float2 *>(wo + (size_t)vr1 * HD + t * 8 + quad_col * 2) = make_float2(o[t][2], o[t][3]);
+    }
+    if (quad_col == 0) {
+        if (vr0 < rows_total) wml[vr0] = make_float2(m0, l0);
+        if (vr1 < rows_total) wml[vr1] = make_float2(m1, l1);
+    }
+}
+
+/* One block per virtual row, one thread per output dim: merges the row's partials of every block that
+ * had keys, in block order. The weights come first (one warp, into shared memory), so each thread's
+ * loads of the partials are independent of each other and all in flight together. */
+template <int HD>
+__global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnParams p, const float *ws) {
+    __shared__ float weight[kDecodeBlocks];
+    __shared__ float inv_sum;
+    const attn_segment seg = p.segments[blockIdx.z];
+    const int G = p.group, rows_total = seg.num_q * G, num_k = seg.num_k, row = blockIdx.x;
+    if (seg.num_q <= 0 || num_k <= 0 || row >= rows_total) return; /* block-uniform */
+    const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys, parts = min(n_chunks, kDecodeBlocks);
+    const size_t problem = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
+    const float *wo = ws + problem * DecodeConfig<HD>::PART_ROWS * HD;
+    const float2 *wml = reinterpret_cast<const float2 *>(ws + (size_t)gridDim.z * gridDim.y * DecodeConfig<HD>::PART_ROWS * HD) +
+                        problem * DecodeConfig<HD>::PART_ROWS;
+    if (threadIdx.x < 32) {
+        /* lane b holds part b's (max, sum); a part that saw no key of this row has sum 0 and weighs 0 */
+        const int lane = threadIdx.x;
+        const float2 ml = lane < parts ? wml[(size_t)lane * kDecodeRows + row] : make_float2(-INFINITY, 0.f);
+        float M = ml.y > 0.f ? ml.x : -INFINITY;
+        for (int off = 16; off; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+        const float w = ml.y > 0.f ? exp2f(ml.x - M) : 0.f;
+        float L = ml.y * w;
+        for (int off = 16; off; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+        weight[lane] = w;
+        if (lane == 0) inv_sum = 1.f / L; /* every row sees key 0, so some part has sum > 0 */
+    }
+    __syncthreads();
+    const int t = row / G, hh = row - t * G;
+    uint16_t *dst = p.out + ((size_t)seg.q_row + t) * p.ldo + ((size_t)blockIdx.y * G + hh) * HD;
+    for (int d = threadIdx.x; d < HD; d += kDecodeThreads) {
+        float acc = 0.f;
+#pragma unroll 8
+        for (int b = 0; b < parts; b++) acc += wo[((size_t)b * kDecodeRows + row) * HD + d] * weight[b]; /* finite, weight 0 or not */
+        dst[d] = __bfloat16_as_ushort(__float2bfloat16(acc * inv_sum));
+    }
+}
+
+template <int HD>
+cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_heads, int max_rows, float *ws,
+                          cudaStream_t stream) {
+    static int configured[kMaxDevices];
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (dev < 0 || dev >= kMaxDevices || !__atomic_load_n(&configured[dev], __ATOMIC_ACQUIRE)) {
+        e = cudaFuncSetAttribute(decode_partial_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)DecodeConfig<HD>::SMEM);
+        if (e != cudaSuccess) return e;
+        if (dev >= 0 && dev < kMaxDevices) __atomic_store_n(&configured[dev], 1, __ATOMIC_RELEASE);
+    }
+    const dim3 partial_grid(kDecodeBlocks, (unsigned)num_kv_heads, (unsigned)num_segments);
+    decode_partial_kernel<HD><<<partial_grid, kDecodeThreads, DecodeConfig<HD>::SMEM, stream>>>(p, ws);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    const dim3 combine_grid((unsigned)max_rows, (unsigned)num_kv_heads, (unsigned)num_segments);
+    decode_combine_kernel<HD><<<combine_grid, kDecodeThreads, 0, stream>>>(p, ws);
+    return cudaGetLastError();
+}
+
+
+/* Whether a call takes the few-queries kernels: a workspace big enough, no forced split, few rows
+ * and few (segment, kv head) problems; PI0_ATTN_DECODE=0 in the environment turns it off (A/B). */
+bool use_decode(int num_segments, int num_kv_heads, long long rows, int head_dim, size_t workspace_bytes) {
+    static int env_off = -1;
+    if (env_off < 0) {
+        const char *env = getenv("PI0_ATTN_DECODE");
+        env_off = env && !strcmp(env, "0");
+    }
+    const long long problems = (long long)num_segments * num_kv_heads;
+    return !env_off && g_split_override == 0 && rows <= kDecodeRows && problems <= kDecodeProblems &&
+           workspace_bytes >= decode_workspace_bytes((int)problems, head_dim);
+}
+
 } /* namespace */
 
 extern "C" void pi0_cuda_attention_set_split(int split) { g_split_override = split > 0 ? split : 0; }
+
+extern "C" size_t pi0_cuda_attention_workspace(int num_segments, int num_kv_heads, int head_dim) {
+    if (num_segments <= 0 || num_kv_heads <= 0 || (long long)num_segments * num_kv_heads > kDecodeProblems) return 0;
+    return decode_workspace_bytes(num_segments * num_kv_heads, head_dim);
+}
 
 extern "C" cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
                                           const pi0_bf16 *v, int ldkv, const attn_segment *segments,
                                           int num_segments, int max_num_q, int num_heads, int num_kv_heads,
                                           int head_dim, float scale, cudaStream_t stream) {
+    return pi0_cuda_attention_ws(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, num_heads,
+                                 num_kv_heads, head_dim, scale, NULL, 0, stream);
+}
+
+extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
+                                             const pi0_bf16 *v, int ldkv, const attn_segment *segments,
+                                             int num_segments, int max_num_q, int num_heads, int num_kv_heads,
+                                             int head_dim, float scale, float *workspace, size_t workspace_bytes,
+                                             cudaStream_t stream) {
     if (head_dim != 16 && head_dim != 32 && head_dim != 72 && head_dim != 256) return cudaErrorInvalidValue;
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_kv_heads > 65535)
         return cudaErrorInvalidValue;
@@ -657,6 +911,15 @@ extern "C" cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16
     p.vec_kv = aligned16(k, ldkv) && aligned16(v, ldkv);
     p.vec_o = aligned16(out, ldo);
     p.split = 1;
+    if (workspace && use_decode(num_segments, num_kv_heads, rows, head_dim, workspace_bytes)) {
+        const int r = (int)rows;
+        switch (head_dim) {
+        case 16: return launch_decode<16>(p, num_segments, num_kv_heads, r, workspace, stream);
+        case 32: return launch_decode<32>(p, num_segments, num_kv_heads, r, workspace, stream);
+        case 72: return launch_decode<72>(p, num_segments, num_kv_heads, r, workspace, stream);
+        default: return launch_decode<256>(p, num_segments, num_kv_heads, r, workspace, stream);
+        }
+    }
     /* 72 and 256 are Pi0's (SigLIP, Gemma); 16 and 32 serve small test models such as the fixtures' */
     switch (head_dim) {
     case 16: return launch<16>(p, num_segments, row_tiles, num_kv_heads, stream);

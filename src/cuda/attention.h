@@ -9,6 +9,7 @@
 #ifndef PI0_CUDA_ATTENTION_H
 #define PI0_CUDA_ATTENTION_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include <cuda_runtime_api.h>
@@ -46,6 +47,23 @@ cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ld
                                const pi0_bf16 *v, int ldkv, const attn_segment *segments, int num_segments,
                                int max_num_q, int num_heads, int num_kv_heads, int head_dim, float scale,
                                cudaStream_t stream);
+
+/*
+ * The same with a float32 workspace (device memory, 16-byte aligned): when it holds at least
+ * pi0_cuda_attention_workspace(num_segments, num_kv_heads, head_dim) bytes, no split is forced, and
+ * the call is small (num_heads / num_kv_heads * max_num_q <= 128 virtual rows, num_segments *
+ * num_kv_heads <= 16: a small-batch denoise step), the keys are spread over 32 blocks per problem
+ * and the partial results merged by a second kernel (attention.cu, "few queries"); else it is
+ * pi0_cuda_attention. The workspace must not be used by anything else while the call runs.
+ */
+cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
+                                  const pi0_bf16 *v, int ldkv, const attn_segment *segments, int num_segments,
+                                  int max_num_q, int num_heads, int num_kv_heads, int head_dim, float scale,
+                                  float *workspace, size_t workspace_bytes, cudaStream_t stream);
+
+/* Workspace bytes that let pi0_cuda_attention_ws take the few-queries kernels (0: never for these
+ * sizes). */
+size_t pi0_cuda_attention_workspace(int num_segments, int num_kv_heads, int head_dim);
 
 /*
  * Tuning/testing knob, process-wide, not thread-safe (set it before launching or capturing): how many

@@ -14,6 +14,7 @@
 
 #include "cuda/attention.h"
 #include "cuda/backend.h"
+#include "cuda/skinny.h"
 #include "util/error.h"
 
 #define NORM_EPS 1e-6f
@@ -44,6 +45,9 @@ struct cuda_graph {
     float *out_bias;  /* (A) dt * action_out_proj.bias: the Euler step is fused into that GEMM */
     /* activations */
     float *patches, *vit_x, *vision, *x, *suffix, *state_token, *action_tokens;
+    pi0_bf16 *suffix_bf16; /* the suffix rows rounded to bf16: the skinny Linears' input */
+    float *suffix_attn_ws;  /* the denoise attention's workspace (pi0_cuda_attention_ws) */
+    size_t suffix_attn_ws_bytes;
     pi0_bf16 *vit_h, *vit_qkv, *vit_att, *vit_mlp, *cache_k, *cache_v, *time_hidden, *final_h;
     gemma_buffers prefix, suffix_buffers; /* the LLM's over the prefix rows, the expert's over the suffix */
     cudaEvent_t events[4]; /* start, vision done, prefix done, end */
@@ -120,6 +124,9 @@ static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     g->cache_k = carve(c, (size_t)d->llm.depth * cache_rows * kv_dim * bf);
     g->cache_v = carve(c, (size_t)d->llm.depth * cache_rows * kv_dim * bf);
     g->suffix = carve(c, R * We * f);
+    g->suffix_bf16 = carve(c, R * We * bf);
+    g->suffix_attn_ws_bytes = pi0_cuda_attention_workspace((int)B, d->expert.num_kv_heads, d->expert.head_dim);
+    g->suffix_attn_ws = carve(c, g->suffix_attn_ws_bytes);
     g->state_token = carve(c, B * We * f);
     g->action_tokens = carve(c, BH * We * f);
     carve_gemma(c, &g->suffix_buffers, R, &d->expert);
@@ -263,21 +270,57 @@ typedef struct {
     const int *positions, *cache_rows;
     const attn_segment *segments;
     float *x;
+    pi0_bf16 *x_bf16; /* x rounded to bf16, kept by the skinny path; NULL: the stack has no skinny path */
     const gemma_buffers *b;
+    float *attn_ws;   /* attention workspace (NULL: none) */
+    size_t attn_ws_bytes;
 } gemma_rows;
+
+static pi0_status skinny(const skinny_args *a, cudaStream_t stream, pi0_error *err) {
+    cudaError_t e = pi0_cuda_skinny_linear(a, stream);
+    if (e) return pi0_fail(err, PI0_ERR_BACKEND, "skinny linear (%d x %d x %d): %s", a->m, a->n, a->k, cudaGetErrorString(e));
+    return PI0_OK;
+}
+
+/* The expert's block over a few rows (a batch-1 denoise step): 4 skinny Linears (skinny.h) with the
+ * norms (folded at load) and gelu x up inside them, the residual adds in their epilogues, which also
+ * keep x_bf16 current for the next Linear. 6 launches instead of gemma_block's 10. */
+static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, const pi0_stack_dims *d, const gemma_rows *r,
+                                     pi0_bf16 *cache_k, pi0_bf16 *cache_v, pi0_error *err) {
+    int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
+    int qkv_dim = q_dim + 2 * kv_dim;
+    const gemma_buffers *b = r->b;
+    TRY(skinny(&(skinny_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->x_bf16, .w = l->qkv_w, .rms_norm = 1,
+                              .eps = NORM_EPS, .epilogue = SKINNY_STORE, .out = b->qkv}, s->stream, err));
+    CUDA_TRY(pi0_cuda_rope_qkv(b->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
+                               cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
+    CUDA_TRY(pi0_cuda_attention_ws(b->att, q_dim, b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
+                                   r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd), r->attn_ws,
+                                   r->attn_ws_bytes, s->stream));
+    TRY(skinny(&(skinny_args){.m = r->rows, .n = W, .k = q_dim, .x = b->att, .w = l->o_w, .epilogue = SKINNY_RESIDUAL,
+                              .residual = r->x, .residual_bf16 = r->x_bf16}, s->stream, err));
+    TRY(skinny(&(skinny_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->x_bf16, .w = l->gate_up_w, .rms_norm = 1,
+                              .eps = NORM_EPS, .epilogue = SKINNY_GELU_MUL, .out = b->mlp}, s->stream, err));
+    TRY(skinny(&(skinny_args){.m = r->rows, .n = W, .k = d->mlp_dim, .x = b->mlp, .w = l->down_w, .epilogue = SKINNY_RESIDUAL,
+                              .residual = r->x, .residual_bf16 = r->x_bf16}, s->stream, err));
+    return PI0_OK;
+}
 
 /* x += attn(RMSNorm(x)) Wo; x += MLP(RMSNorm(x)); K/V go to the layer's cache first. */
 static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0_stack_dims *d, const gemma_rows *r,
                               pi0_bf16 *cache_k, pi0_bf16 *cache_v, int kv_only, pi0_error *err) {
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
     int qkv_dim = q_dim + 2 * kv_dim;
+    if (r->x_bf16 && s->use_skinny && r->rows <= SKINNY_MAX_ROWS && !kv_only)
+        return gemma_block_skinny(s, l, d, r, cache_k, cache_v, err);
     CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, l->input_norm, NORM_EPS, s->stream));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_rope_qkv(r->b->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
                                cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
     if (kv_only) return PI0_OK;
-    CUDA_TRY(pi0_cuda_attention(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
-                                r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd), s->stream));
+    CUDA_TRY(pi0_cuda_attention_ws(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
+                                   r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
+                                   r->attn_ws, r->attn_ws_bytes, s->stream));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = W, .k = q_dim, .x = r->b->att, .w = l->o_w, .out = r->x, .out_f32 = 1,
                             .alpha = 1, .beta = 1}, err));
     CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, l->post_norm, NORM_EPS, s->stream));
@@ -329,7 +372,7 @@ static pi0_status prefix_forward(cuda_state *s, const pi0_model *m, cuda_graph *
     CUDA_TRY(pi0_cuda_assemble_prefix(g->x, g->in.prefix_src, g->shape.total_prefix, d->width, g->vision, s->w.embed,
                                       (float)sqrt((double)d->width), s->stream));
     gemma_rows r = {g->shape.total_prefix, g->shape.batch, g->shape.max_prefix, g->in.prefix_pos, g->in.prefix_cache_row,
-                    g->in.prefix_segments, g->x, &g->prefix};
+                    g->in.prefix_segments, g->x, NULL, &g->prefix, NULL, 0};
     for (int layer = 0; layer < d->depth; layer++)
         TRY(gemma_block(s, &s->w.llm[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer,
                         layer == d->depth - 1, err));
@@ -347,9 +390,9 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
                                      A, We, 1, s->stream));
     TRY(gemm(s, (gemm_args){.m = BH, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w, .bias = w->time_out_b,
                             .out = g->action_tokens, .out_f32 = 1, .alpha = 1}, err));
-    CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->state_token, g->action_tokens, B, H, We, s->stream));
+    CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->suffix_bf16, g->state_token, g->action_tokens, B, H, We, s->stream));
     gemma_rows r = {B * (H + 1), B, H + 1, g->in.suffix_pos, g->in.suffix_cache_row, g->in.suffix_segments,
-                    g->suffix, &g->suffix_buffers};
+                    g->suffix, g->suffix_bf16, &g->suffix_buffers, g->suffix_attn_ws, g->suffix_attn_ws_bytes};
     for (int layer = 0; layer < d->depth; layer++)
         TRY(gemma_block(s, &w->expert[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer, 0,
                         err));
@@ -485,6 +528,8 @@ static pi0_status cuda_init(pi0_model *m, pi0_error *err) {
     if (!s) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     m->backend_state = s;
     s->use_graphs = 1;
+    const char *skinny_env = getenv("PI0_SKINNY"); /* PI0_SKINNY=0: cuBLASLt for every row count (A/B runs) */
+    s->use_skinny = !(skinny_env && !strcmp(skinny_env, "0"));
     pi0_status st = PI0_OK;
     if (cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking) != cudaSuccess)
         st = pi0_fail(err, PI0_ERR_BACKEND, "cannot create a CUDA stream: %s", cudaGetErrorString(cudaGetLastError()));

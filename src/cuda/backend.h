@@ -52,6 +52,7 @@ typedef struct {
     cuda_graph *graphs[MAX_GRAPHS];
     uint64_t clock; /* for least-recently-used eviction */
     int use_graphs;
+    int use_skinny; /* skinny.h's Linears for blocks of <= SKINNY_MAX_ROWS rows */
     void **allocations; /* weight buffers, freed at release */
     int num_allocations, max_allocations;
     uint64_t device_bytes, peak_device_bytes;

@@ -9,6 +9,7 @@
  */
 #include <cuda_bf16.h>
 
+#include "cuda/device.cuh"
 #include "cuda/kernels.h"
 
 #define NORM_THREADS 256
@@ -51,19 +52,14 @@ static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const
     for (int j = threadIdx.x; j < dim; j += blockDim.x) sq += x[j] * x[j];
     float inv = rsqrtf(block_sum(sq) / (float)dim + eps);
     for (int j = threadIdx.x; j < dim; j += blockDim.x)
-        out[(size_t)blockIdx.x * dim + j] = __float2bfloat16(x[j] * inv * (1.0f + w[j]));
-}
-
-static __device__ __forceinline__ float gelu_tanh(float x) {
-    const float sqrt_2_over_pi = 0.7978845608028654f;
-    return 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * (x + 0.044715f * x * x * x)));
+        out[(size_t)blockIdx.x * dim + j] = __float2bfloat16(x[j] * inv * (w ? 1.0f + w[j] : 1.0f));
 }
 
 static __global__ void gelu_mul_kernel(__nv_bfloat16 *out, const __nv_bfloat16 *in, int rows, int mlp) {
     size_t n = (size_t)rows * mlp;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         size_t row = i / mlp, col = i % mlp;
-        float gate = __bfloat162float(in[row * 2 * mlp + col]), up = __bfloat162float(in[row * 2 * mlp + mlp + col]);
+        float gate = __bfloat162float(in[row * 2 * mlp + 2 * col]), up = __bfloat162float(in[row * 2 * mlp + 2 * col + 1]);
         out[i] = __float2bfloat16(gelu_tanh(gate) * up);
     }
 }
@@ -146,12 +142,15 @@ static __global__ void linear_small_k_kernel(void *out, int out_bf16, const floa
     else ((float *)out)[(size_t)row * n + col] = acc;
 }
 
-static __global__ void assemble_suffix_kernel(float *suffix, const float *state, const float *actions, int horizon,
-                                              int width) {
+static __global__ void assemble_suffix_kernel(float *suffix, __nv_bfloat16 *suffix_bf16, const float *state,
+                                              const float *actions, int horizon, int width) {
     int b = blockIdx.y, i = blockIdx.x; /* i = 0: state token, else action token i - 1 */
     const float *src = i == 0 ? state + (size_t)b * width : actions + ((size_t)b * horizon + i - 1) * width;
-    float *dst = suffix + ((size_t)b * (horizon + 1) + i) * width;
-    for (int j = threadIdx.x; j < width; j += blockDim.x) dst[j] = src[j];
+    size_t row = ((size_t)b * (horizon + 1) + i) * width;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        suffix[row + j] = src[j];
+        if (suffix_bf16) suffix_bf16[row + j] = __float2bfloat16(src[j]);
+    }
 }
 
 static __global__ void spin_kernel(long long nanoseconds) {
@@ -225,10 +224,10 @@ cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, co
     return cudaGetLastError();
 }
 
-cudaError_t pi0_cuda_assemble_suffix(float *suffix, const float *state, const float *actions, int batch, int horizon,
-                                     int width, cudaStream_t stream) {
+cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
+                                     int batch, int horizon, int width, cudaStream_t stream) {
     if (batch > 0) assemble_suffix_kernel<<<dim3((unsigned)horizon + 1, (unsigned)batch), 256, 0, stream>>>(
-        suffix, state, actions, horizon, width);
+        suffix, as_bf16(suffix_bf16), state, actions, horizon, width);
     return cudaGetLastError();
 }
 

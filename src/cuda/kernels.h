@@ -21,11 +21,13 @@ extern "C" {
 cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim, const float *w, const float *b,
                                float eps, cudaStream_t stream);
 
-/* out row i (bf16) = RMSNorm(in row r) * (1 + w), r = in_rows ? in_rows[i] : i. */
+/* out row i (bf16) = RMSNorm(in row r) * (1 + w), r = in_rows ? in_rows[i] : i; w NULL: no weight
+ * (it was folded into the next Linear). */
 cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *w,
                              float eps, cudaStream_t stream);
 
-/* out (rows, mlp) = gelu_tanh(gate) * up, where in (rows, 2 mlp) holds [gate | up] per row. */
+/* out (rows, mlp) = gelu_tanh(gate) * up, where in (rows, 2 mlp) holds the pairs (gate_j, up_j)
+ * interleaved (the fused gate|up weight's row order, see weights.c). */
 cudaError_t pi0_cuda_gelu_mul(pi0_bf16 *out, const pi0_bf16 *in, int rows, int mlp, cudaStream_t stream);
 
 /*
@@ -54,9 +56,10 @@ cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim
 cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
                                     int rows, int k, int n, int swish, cudaStream_t stream);
 
-/* suffix (B (H+1), W): row b(H+1) = state[b], rows b(H+1)+1+i = actions[b H + i]. */
-cudaError_t pi0_cuda_assemble_suffix(float *suffix, const float *state, const float *actions, int batch, int horizon,
-                                     int width, cudaStream_t stream);
+/* suffix (B (H+1), W): row b(H+1) = state[b], rows b(H+1)+1+i = actions[b H + i]; also rounded to
+ * bf16 into suffix_bf16 unless it is NULL (the input of the skinny Linears, skinny.h). */
+cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
+                                     int batch, int horizon, int width, cudaStream_t stream);
 
 /* Keeps the GPU busy for about `microseconds`: queued before a timed run, it lets the host enqueue
  * every repetition first, so the events measure GPU time rather than launch overhead. */

@@ -3,7 +3,12 @@
  * where the output is float32, prepared once at load from the float32 host weights.
  *
  * Load-time rewrites (PI0_SPEC §4, exact up to rounding):
- *  - Q|K|V and gate|up are fused into one weight each, so a block runs 4 GEMMs instead of 7.
+ *  - Q|K|V and gate|up are fused into one weight each, so a block runs 4 GEMMs instead of 7. The
+ *    gate|up rows are interleaved (gate_0, up_0, gate_1, ...), so every kernel that applies
+ *    gelu(gate) * up finds each pair side by side.
+ *  - In the action expert, each RMSNorm's 1 + w is folded into the Linear after it (in float32,
+ *    before rounding to bf16): its norms become plain normalizations, which the skinny Linears of
+ *    the denoise loop apply as a per-row factor (skinny.h). The VLM keeps its norm weights.
  *  - action_in_proj is folded into the first half of action_time_mlp_in: W_fold = W_a W_in,
  *    so each denoise step maps the 32 action dims straight to the time MLP's hidden layer; the
  *    time half of that layer depends only on the step and is precomputed per graph (backend.c).
@@ -40,6 +45,21 @@ typedef struct {
     size_t count;
 } part;
 
+/* w (rows, cols) with column j scaled by 1 + norm[j] (norm NULL: a copy); rows of `second` (same
+ * shape), when given, interleaved with w's: out rows w_0, second_0, w_1, second_1, ... */
+static float *prepare_rows(const float *w, const float *second, size_t rows, size_t cols, const float *norm) {
+    size_t sources = second ? 2 : 1;
+    float *out = malloc(sources * rows * cols * sizeof(float));
+    if (!out) return NULL;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t s = 0; s < sources; s++) {
+            const float *src = (s ? second : w) + r * cols;
+            float *dst = out + (r * sources + s) * cols;
+            for (size_t j = 0; j < cols; j++) dst[j] = norm ? src[j] * (1.0f + norm[j]) : src[j];
+        }
+    return out;
+}
+
 static void *upload(cuda_state *s, const part *parts, int num_parts, int bf16, pi0_error *err) {
     size_t total = 0, at = 0, elem = bf16 ? 2 : 4;
     for (int i = 0; i < num_parts; i++) total += parts[i].count;
@@ -63,16 +83,28 @@ static void *upload(cuda_state *s, const part *parts, int num_parts, int bf16, p
 #define UP_BF16(...) upload(s, (part[]){__VA_ARGS__}, sizeof((part[]){__VA_ARGS__}) / sizeof(part), 1, err)
 #define UP_F32(...) upload(s, (part[]){__VA_ARGS__}, sizeof((part[]){__VA_ARGS__}) / sizeof(part), 0, err)
 
-static int upload_gemma(cuda_state *s, gpu_gemma_layer *g, const gemma_layer *l, const pi0_stack_dims *d, pi0_error *err) {
-    size_t W = (size_t)d->width, q = (size_t)d->num_heads * d->head_dim * W, kv = (size_t)d->num_kv_heads * d->head_dim * W;
-    size_t mlp = (size_t)d->mlp_dim * W;
-    g->input_norm = UP_F32({l->input_norm, W});
-    g->post_norm = UP_F32({l->post_attn_norm, W});
-    g->qkv_w = UP_BF16({l->q_w, q}, {l->k_w, kv}, {l->v_w, kv});
-    g->o_w = UP_BF16({l->o_w, q});
-    g->gate_up_w = UP_BF16({l->gate_w, mlp}, {l->up_w, mlp});
-    g->down_w = UP_BF16({l->down_w, mlp});
-    return g->input_norm && g->post_norm && g->qkv_w && g->o_w && g->gate_up_w && g->down_w ? 0 : -1;
+/* fold_norms: the expert's layout (norm weights folded into QKV and gate|up, input_norm and
+ * post_norm NULL). */
+static int upload_gemma(cuda_state *s, gpu_gemma_layer *g, const gemma_layer *l, const pi0_stack_dims *d, int fold_norms,
+                        pi0_error *err) {
+    size_t W = (size_t)d->width, q_rows = (size_t)d->num_heads * d->head_dim, kv_rows = (size_t)d->num_kv_heads * d->head_dim;
+    size_t mlp = (size_t)d->mlp_dim;
+    const float *in_norm = fold_norms ? l->input_norm : NULL, *post_norm = fold_norms ? l->post_attn_norm : NULL;
+    float *q = prepare_rows(l->q_w, NULL, q_rows, W, in_norm), *k = prepare_rows(l->k_w, NULL, kv_rows, W, in_norm);
+    float *v = prepare_rows(l->v_w, NULL, kv_rows, W, in_norm), *gate_up = prepare_rows(l->gate_w, l->up_w, mlp, W, post_norm);
+    int ok = q && k && v && gate_up;
+    if (!ok) pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing GPU weights");
+    if (ok && !fold_norms) {
+        g->input_norm = UP_F32({l->input_norm, W});
+        g->post_norm = UP_F32({l->post_attn_norm, W});
+        ok = g->input_norm && g->post_norm;
+    }
+    if (ok) g->qkv_w = UP_BF16({q, q_rows * W}, {k, kv_rows * W}, {v, kv_rows * W});
+    if (ok) g->o_w = UP_BF16({l->o_w, q_rows * W});
+    if (ok) g->gate_up_w = UP_BF16({gate_up, 2 * mlp * W});
+    if (ok) g->down_w = UP_BF16({l->down_w, mlp * W});
+    free(q), free(k), free(v), free(gate_up);
+    return ok && g->qkv_w && g->o_w && g->gate_up_w && g->down_w ? 0 : -1;
 }
 
 static int upload_vit(cuda_state *s, gpu_vit_layer *g, const vit_layer *l, const pi0_stack_dims *d, pi0_error *err) {
@@ -139,8 +171,9 @@ pi0_status cuda_weights_upload(cuda_state *s, const pi0_model *m, pi0_error *err
     g->post_ln_w = UP_F32({w->post_ln_w, (size_t)Dv}), g->post_ln_b = UP_F32({w->post_ln_b, (size_t)Dv});
     g->proj_w = UP_BF16({w->proj_w, (size_t)D * Dv}), g->proj_b = UP_F32({w->proj_b, (size_t)D});
     g->embed = UP_BF16({w->embed, (size_t)d->vocab_size * D});
-    for (int l = 0; l < d->llm.depth && !failed; l++) failed = upload_gemma(s, &g->llm[l], &w->llm[l], &d->llm, err);
-    for (int l = 0; l < d->expert.depth && !failed; l++) failed = upload_gemma(s, &g->expert[l], &w->expert[l], &d->expert, err);
+    for (int l = 0; l < d->llm.depth && !failed; l++) failed = upload_gemma(s, &g->llm[l], &w->llm[l], &d->llm, 0, err);
+    for (int l = 0; l < d->expert.depth && !failed; l++)
+        failed = upload_gemma(s, &g->expert[l], &w->expert[l], &d->expert, 1, err);
     g->expert_norm = UP_F32({w->expert_norm, (size_t)We});
     g->state_proj_w = UP_BF16({w->state_proj_w, (size_t)We * A}), g->state_proj_b = UP_F32({w->state_proj_b, (size_t)We});
     g->time_fold_w = UP_BF16({fold, (size_t)We * A});

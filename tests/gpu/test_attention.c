@@ -109,6 +109,8 @@ typedef struct {
     uint16_t *gpu_out, *gpu_out2;
     pi0_bf16 *d_in, *d_out;
     attn_segment *d_segs;
+    float *d_ws; /* the few-queries workspace (pi0_cuda_attention_ws), when the case is small enough */
+    size_t ws_bytes;
 } fixture;
 
 static size_t round8(size_t x) { return (x + 7) / 8 * 8; }
@@ -122,6 +124,7 @@ static void fixture_free(fixture *f) {
     if (f->d_in) CUDA_OK(cudaFree(f->d_in));
     if (f->d_out) CUDA_OK(cudaFree(f->d_out));
     if (f->d_segs) CUDA_OK(cudaFree(f->d_segs));
+    if (f->d_ws) CUDA_OK(cudaFree(f->d_ws));
     memset(f, 0, sizeof *f);
 }
 
@@ -198,6 +201,8 @@ static int fixture_init(fixture *f, const attn_case *c) {
     if (!CUDA_OK(cudaMalloc((void **)&f->d_in, f->in_total * sizeof(pi0_bf16)))) return 0;
     if (!CUDA_OK(cudaMalloc((void **)&f->d_out, f->o_total * sizeof(pi0_bf16)))) return 0;
     if (!CUDA_OK(cudaMalloc((void **)&f->d_segs, (c->nseg > 0 ? c->nseg : 1) * sizeof(attn_segment)))) return 0;
+    f->ws_bytes = pi0_cuda_attention_workspace(c->nseg, c->nkv, c->hd);
+    if (f->ws_bytes && !CUDA_OK(cudaMalloc((void **)&f->d_ws, f->ws_bytes))) return 0;
     if (!CUDA_OK(cudaMemcpy(f->d_in, f->in_bf, f->in_total * sizeof(pi0_bf16), cudaMemcpyHostToDevice))) return 0;
     if (c->nseg > 0 &&
         !CUDA_OK(cudaMemcpy(f->d_segs, c->segs, c->nseg * sizeof(attn_segment), cudaMemcpyHostToDevice)))
@@ -207,9 +212,9 @@ static int fixture_init(fixture *f, const attn_case *c) {
 
 static cudaError_t fixture_call(const fixture *f, int nseg) {
     const attn_case *c = &f->c;
-    return pi0_cuda_attention(f->d_out + f->o_off, f->ldo, f->d_in + f->q_off, f->ldq, f->d_in + f->k_off,
-                              f->d_in + f->v_off, f->ldkv, f->d_segs, nseg, f->max_num_q, c->nh, c->nkv, c->hd,
-                              c->scale, g_stream);
+    return pi0_cuda_attention_ws(f->d_out + f->o_off, f->ldo, f->d_in + f->q_off, f->ldq, f->d_in + f->k_off,
+                                 f->d_in + f->v_off, f->ldkv, f->d_segs, nseg, f->max_num_q, c->nh, c->nkv, c->hd,
+                                 c->scale, f->d_ws, f->ws_bytes, g_stream);
 }
 
 /* Poisons the output, launches, waits, copies the output back into `host`. Returns 1 on success. */
@@ -347,7 +352,8 @@ static void verify(const fixture *f, const reference *rf, const uint16_t *gpu, c
     CHECK(rel <= 1e-2, "%s: relative error %g", what, rel);
 }
 
-/* Key-split settings every case runs under (pi0_cuda_attention_set_split): the automatic choice,
+/* Key-split settings every case runs under (pi0_cuda_attention_set_split): the automatic choice
+ * (which takes the few-queries kernels when the case is small enough: the fixture passes a workspace),
  * no split, and forced splits of 2, 4, 8 and 16 blocks (clamped to what the GPU runs: 1 before sm_90). */
 static const int kSplits[] = {0, 1, 2, 4, 8, 16};
 #define NUM_SPLITS ((int)(sizeof kSplits / sizeof kSplits[0]))

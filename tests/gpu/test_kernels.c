@@ -58,7 +58,15 @@ TEST(rmsnorm_matches_cpu_with_row_map) {
     CUDA_OK(cudaDeviceSynchronize());
     float *got_all = download_bf16(dall, n);
     CHECK(rel_error(got_all, ref_all, n) <= TOL_BF16_OUT, "rmsnorm: %.3g", rel_error(got_all, ref_all, n));
-    free(x), free(w), free(ref), free(got), free(ref_all), free(got_all);
+    /* no weight (folded into the next Linear): the oracle with w = 0, i.e. a factor 1 + 0 */
+    float *zero = calloc(dim, 4);
+    cpu_rmsnorm(ref_all, x, rows, dim, zero, 1e-6f);
+    CUDA_OK(pi0_cuda_rmsnorm(dall, dx, NULL, rows, dim, NULL, 1e-6f, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    free(got_all);
+    got_all = download_bf16(dall, n);
+    CHECK(rel_error(got_all, ref_all, n) <= TOL_BF16_OUT, "rmsnorm without weight: %.3g", rel_error(got_all, ref_all, n));
+    free(x), free(w), free(ref), free(got), free(ref_all), free(got_all), free(zero);
     cudaFree(dx), cudaFree(dw), cudaFree(dmap), cudaFree(dout), cudaFree(dall);
 }
 
@@ -70,8 +78,8 @@ TEST(gelu_mul_matches_cpu) {
     uint16_t *bits = to_bf16_rounding(in, n);
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < mlp; j++) {
-            gate[(size_t)r * mlp + j] = in[(size_t)r * 2 * mlp + j];
-            up[(size_t)r * mlp + j] = in[(size_t)r * 2 * mlp + mlp + j];
+            gate[(size_t)r * mlp + j] = in[(size_t)r * 2 * mlp + 2 * j]; /* (gate_j, up_j) interleaved */
+            up[(size_t)r * mlp + j] = in[(size_t)r * 2 * mlp + 2 * j + 1];
         }
     cpu_gelu_mul(gate, up, (size_t)rows * mlp);
     pi0_bf16 *din = dev_upload(bits, n * 2), *dout = dev_poisoned((size_t)rows * mlp * 2);
@@ -191,19 +199,24 @@ TEST(assemble_prefix_and_suffix) {
     fill_uniform(state, B * W, 1.0f), fill_uniform(act, (size_t)B * H * W, 1.0f);
     float *dstate = dev_upload(state, B * W * 4), *dact = dev_upload(act, (size_t)B * H * W * 4);
     float *dsuffix = dev_poisoned((size_t)B * (H + 1) * W * 4);
-    CUDA_OK(pi0_cuda_assemble_suffix(dsuffix, dstate, dact, B, H, W, 0));
+    pi0_bf16 *dsuffix_bf16 = dev_poisoned((size_t)B * (H + 1) * W * 2);
+    CUDA_OK(pi0_cuda_assemble_suffix(dsuffix, dsuffix_bf16, dstate, dact, B, H, W, 0));
     CUDA_OK(cudaDeviceSynchronize());
-    float *suffix = download_f32(dsuffix, (size_t)B * (H + 1) * W);
+    float *suffix = download_f32(dsuffix, (size_t)B * (H + 1) * W), *suffix_bf16 = download_bf16(dsuffix_bf16, (size_t)B * (H + 1) * W);
     bad = 0;
+    int bad_bf16 = 0;
     for (int b = 0; b < B; b++)
         for (int i = 0; i <= H; i++)
             for (int j = 0; j < W; j++) {
                 float want = i == 0 ? state[b * W + j] : act[((size_t)b * H + i - 1) * W + j];
                 bad += suffix[((size_t)b * (H + 1) + i) * W + j] != want;
+                bad_bf16 += suffix_bf16[((size_t)b * (H + 1) + i) * W + j] != bf16_value(bf16_bits(want));
             }
     CHECK(bad == 0, "assemble_suffix: %d mismatches", bad);
-    free(vision), free(embed), free(embed_bits), free(x), free(state), free(act), free(suffix);
+    CHECK(bad_bf16 == 0, "assemble_suffix bf16 copy: %d mismatches", bad_bf16);
+    free(vision), free(embed), free(embed_bits), free(x), free(state), free(act), free(suffix), free(suffix_bf16);
     cudaFree(dvision), cudaFree(dx), cudaFree(dembed), cudaFree(dsrc), cudaFree(dstate), cudaFree(dact), cudaFree(dsuffix);
+    cudaFree(dsuffix_bf16);
 }
 
 TEST(linear_small_k_matches_cpu) {

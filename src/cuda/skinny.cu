@@ -1,0 +1,220 @@
+/*
+ * skinny.cu - Linear layers over a few rows, with the norm and the epilogue fused (skinny.h).
+ *
+ * Why. A batch-1 denoise step multiplies 11 rows by ~34 MB of expert weights per layer: the work is
+ * streaming the weights once, and the time goes to latency, so what matters is (1) every weight load
+ * of a kernel issued before anything waits for one, (2) as few dependent steps as possible between
+ * launch and the last store, (3) as few launches as possible. cuBLASLt picks split-K kernels with a
+ * separate reduction here, and the norms and the GELU were kernels of their own: 8 launches per
+ * expert layer, 4 with these kernels.
+ *
+ * Design. A block owns 8 * NT output columns of a 16-row tile, and all of k: its warps split k
+ * between them, each walking chunks of 32 k with mma.sync m16n8k16 (bf16 in, float32 accumulate).
+ * Each lane loads 16 bytes (8 consecutive k) of its weight row and of its two x rows per chunk and
+ * n8 tile; the k order inside a chunk is permuted identically for x and w (lane t's physical
+ * k 8t..8t+3 feed the first mma's k slots 2t, 2t+1, 2t+8, 2t+9, and 8t+4..8t+7 the second's), so one
+ * 16-byte load feeds two mma instructions with no shuffles and no shared memory. A pass issues the
+ * loads of C chunks at once (C * (NT + 2) 16-byte loads per lane, all in flight together), then
+ * multiplies; k up to warps * C * 32 is one pass, which covers every Pi0 shape. The warps' partial
+ * tiles (and, with rms_norm, their partial sums of squares of x) meet in shared memory and are added
+ * in warp order, so the result does not depend on timing. The epilogue then scales, applies
+ * GELU x up or the residual add, and stores.
+ *
+ * The RMSNorm: the statistics come from the bf16 x the product uses, summed in float32 (a relative
+ * difference of ~2^-9 / sqrt(k) from the float32 rows), and the factor is applied to the float32
+ * accumulator, where openpi rounds the normalized row to bf16 before the product: the same number of
+ * roundings, in another place.
+ */
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "cuda/device.cuh"
+#include "cuda/skinny.h"
+
+namespace {
+
+constexpr int kMaxWarps = 16;
+
+struct SkinnyParams {
+    int m, n, k;
+    const uint16_t *x, *w;
+    int rms_norm;
+    float eps;
+    int epilogue;
+    uint16_t *out;
+    float *residual;
+    uint16_t *residual_bf16;
+};
+
+/* Weights are read once per call: keep them out of L1. */
+__device__ __forceinline__ uint4 load_stream(const uint16_t *p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float sum_squares(uint4 v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) s += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
+    return s;
+}
+
+template <int NT, int C>
+__global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 1) skinny_kernel(SkinnyParams p) {
+    constexpr int NC = 8 * NT; /* columns of the block */
+    extern __shared__ float smem[];
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * NC, m0 = blockIdx.y * 16;
+    const bool row0 = m0 + g < p.m, row1 = m0 + g + 8 < p.m;
+    const uint16_t *x0 = p.x + (size_t)(m0 + g) * p.k, *x1 = x0 + (size_t)8 * p.k;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float ss0 = 0.f, ss1 = 0.f;
+
+    for (int kb = warp * C * 32; kb < p.k; kb += warps * C * 32) {
+        uint4 wv[C][NT], xa[C], xb[C];
+#pragma unroll
+        for (int c = 0; c < C; c++) {
+            const int k = kb + c * 32 + t * 8;
+            const bool kin = k < p.k;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const int n = n0 + j * 8 + g;
+                wv[c][j] = kin && n < p.n ? load_stream(p.w + (size_t)n * p.k + k) : zero;
+            }
+            xa[c] = kin && row0 ? __ldg(reinterpret_cast<const uint4 *>(x0 + k)) : zero;
+            xb[c] = kin && row1 ? __ldg(reinterpret_cast<const uint4 *>(x1 + k)) : zero;
+        }
+#pragma unroll
+        for (int c = 0; c < C; c++) {
+            if (p.rms_norm) {
+                ss0 += sum_squares(xa[c]);
+                ss1 += sum_squares(xb[c]);
+            }
+            const uint32_t a_lo[4] = {xa[c].x, xb[c].x, xa[c].y, xb[c].y};
+            const uint32_t a_hi[4] = {xa[c].z, xb[c].z, xa[c].w, xb[c].w};
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                mma_bf16(acc[j], a_lo, wv[c][j].x, wv[c][j].y);
+                mma_bf16(acc[j], a_hi, wv[c][j].z, wv[c][j].w);
+            }
+        }
+    }
+
+    /* Partials to shared memory: [warp][row][column], then sums of squares [warp][row]. */
+    float *part = smem + warp * 16 * NC;
+    float *ss = smem + warps * 16 * NC;
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int col = j * 8 + 2 * t;
+        part[g * NC + col] = acc[j][0];
+        part[g * NC + col + 1] = acc[j][1];
+        part[(g + 8) * NC + col] = acc[j][2];
+        part[(g + 8) * NC + col + 1] = acc[j][3];
+    }
+    if (p.rms_norm) {
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
+        if (t == 0) {
+            ss[warp * 16 + g] = ss0;
+            ss[warp * 16 + g + 8] = ss1;
+        }
+    }
+    __syncthreads();
+
+    /* Epilogue: one thread per output (per column pair for GELU x up). */
+    const int pairs = p.epilogue == SKINNY_GELU_MUL;
+    const int per_row = pairs ? NC / 2 : NC;
+    for (int e = threadIdx.x; e < 16 * per_row; e += blockDim.x) {
+        const int row = e / per_row, col = (e % per_row) << pairs, m = m0 + row, n = n0 + col;
+        if (m >= p.m || n >= p.n) continue;
+        float scale = 1.f;
+        if (p.rms_norm) {
+            float s = 0.f;
+            for (int w = 0; w < warps; w++) s += ss[w * 16 + row];
+            scale = rsqrtf(s / (float)p.k + p.eps);
+        }
+        float v0 = 0.f, v1 = 0.f;
+        for (int w = 0; w < warps; w++) {
+            v0 += smem[(w * 16 + row) * NC + col];
+            if (pairs) v1 += smem[(w * 16 + row) * NC + col + 1];
+        }
+        v0 *= scale;
+        if (p.epilogue == SKINNY_STORE) {
+            p.out[(size_t)m * p.n + n] = __bfloat16_as_ushort(__float2bfloat16(v0));
+        } else if (pairs) {
+            p.out[(size_t)m * (p.n / 2) + n / 2] = __bfloat16_as_ushort(__float2bfloat16(gelu_tanh(v0) * (v1 * scale)));
+        } else {
+            const size_t i = (size_t)m * p.n + n;
+            const float r = p.residual[i] + v0;
+            p.residual[i] = r;
+            p.residual_bf16[i] = __bfloat16_as_ushort(__float2bfloat16(r));
+        }
+    }
+}
+
+/* The block's shape for (n, k), see the design note: warps split k (up to 16, at least 4 chunks of
+ * 32 each), NT n8 tiles per block chosen so the grid still has ~128+ blocks, C = 8 chunks per pass
+ * when k is long. Registers (at most 128 a thread, so 2 blocks of 8 warps or 1 of 16 fit an SM)
+ * bound NT: 4 only with C = 4 and 8 warps, 1 with C = 8. Pi0's expert: QKV (2560 x 1024) NT 2,
+ * gate|up (8192 x 1024) NT 4, o_proj (1024 x 2048) NT 1 with 16 warps, down (1024 x 4096) NT 1, C 8. */
+struct Shape {
+    int warps, nt, chunks;
+};
+
+Shape choose_shape(int n, int k) {
+    Shape s;
+    s.warps = k / 128;
+    s.warps = s.warps < 1 ? 1 : s.warps > kMaxWarps ? kMaxWarps : s.warps;
+    s.chunks = k > s.warps * 4 * 32 ? 8 : 4;
+    const int tiles = (n + 7) / 8;
+    s.nt = 1;
+    const int max_nt = s.chunks == 8 ? 1 : s.warps <= 8 ? 4 : 2;
+    while (s.nt < max_nt && tiles / (2 * s.nt) >= 128) s.nt *= 2;
+    return s;
+}
+
+template <int NT, int C>
+cudaError_t launch(const SkinnyParams &p, int warps, cudaStream_t stream) {
+    const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 15) / 16));
+    const size_t smem = (size_t)warps * 16 * (8 * NT + 1) * sizeof(float);
+    skinny_kernel<NT, C><<<grid, warps * 32, smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+} /* namespace */
+
+extern "C" int pi0_cuda_skinny_supported(const skinny_args *a) {
+    if (!a || a->m <= 0 || a->n <= 0 || a->k <= 0 || a->k % 8 || !a->x || !a->w) return 0;
+    if ((uintptr_t)a->x % 16 || (uintptr_t)a->w % 16) return 0;
+    if ((long long)a->m * a->k > 0x7fffffffLL * 8 || (a->m + 15) / 16 > 65535) return 0;
+    switch (a->epilogue) {
+    case SKINNY_STORE: return a->out != NULL;
+    case SKINNY_GELU_MUL: return a->out != NULL && a->n % 2 == 0;
+    case SKINNY_RESIDUAL: return a->residual != NULL && a->residual_bf16 != NULL;
+    default: return 0;
+    }
+}
+
+extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream) {
+    if (!pi0_cuda_skinny_supported(a)) return cudaErrorInvalidValue;
+    const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->epilogue,
+                            a->out, a->residual, a->residual_bf16};
+    const Shape s = choose_shape(a->n, a->k);
+    if (s.chunks == 8) return launch<1, 8>(p, s.warps, stream);
+    switch (s.nt) {
+    case 1: return launch<1, 4>(p, s.warps, stream);
+    case 2: return launch<2, 4>(p, s.warps, stream);
+    default: return launch<4, 4>(p, s.warps, stream);
+    }
+}

@@ -1,0 +1,54 @@
+/*
+ * skinny.h - Linear layers over a few rows (the denoise loop's 11 tokens at batch 1), fused with
+ * what surrounds them in a Gemma block: out = epilogue(scale_m * x (m, k) . w (n, k)^T).
+ *
+ * x is bf16 with row stride k; w keeps PyTorch's (out, in) layout. The row scale is 1, or with
+ * rms_norm the RMSNorm factor 1 / sqrt(mean_k x^2 + eps) of the row: RMSNorm's (1 + weight) is
+ * folded into w at load (PI0_SPEC §4) and the per-row factor commutes with the product, so the norm
+ * needs no kernel of its own and no extra pass over x. Epilogues:
+ *   SKINNY_STORE     out (m, n) bf16
+ *   SKINNY_GELU_MUL  out (m, n / 2) bf16 = gelu_tanh(gate) * up, w's rows interleaved (gate_j, up_j)
+ *   SKINNY_RESIDUAL  residual (m, n) float32 += result, and residual_bf16 = the new rows in bf16
+ *                    (the next skinny layer's x)
+ * bf16 operands, float32 accumulation, statistics and epilogue; deterministic (fixed summation
+ * order, no atomics).
+ */
+#ifndef PI0_CUDA_SKINNY_H
+#define PI0_CUDA_SKINNY_H
+
+#include <cuda_runtime_api.h>
+
+#include "cuda/bf16.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { SKINNY_STORE, SKINNY_GELU_MUL, SKINNY_RESIDUAL };
+
+/* Rows up to which the backend prefers these kernels to cuBLASLt (bench/NOTES.md). */
+#define SKINNY_MAX_ROWS 16
+
+typedef struct {
+    int m, n, k;
+    const pi0_bf16 *x, *w;
+    int rms_norm;
+    float eps;
+    int epilogue;
+    pi0_bf16 *out;           /* STORE, GELU_MUL */
+    float *residual;         /* RESIDUAL */
+    pi0_bf16 *residual_bf16; /* RESIDUAL */
+} skinny_args;
+
+/* Whether the kernels take these arguments: k a multiple of 8, 16-byte aligned x and w, n even for
+ * GELU_MUL, the outputs of the epilogue present. (Any m works; past 16 rows w is re-read per 16.) */
+int pi0_cuda_skinny_supported(const skinny_args *a);
+
+/* cudaErrorInvalidValue when not supported, else the launch error. */
+cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,146 @@
+/*
+ * test_skinny.c - the skinny Linears (src/cuda/skinny.cu) against a double-precision loop over the
+ * same bf16 operands, on fresh random inputs: every epilogue, with and without the fused RMSNorm,
+ * Pi0's expert shapes and awkward ones (row counts around the 16-row tile, column counts that are
+ * not multiples of the block's tile, k not a multiple of the 32-wide chunk), plus repeatability,
+ * untouched memory past the outputs, and the arguments it must refuse.
+ */
+#include "cpu/ops.h"
+#include "cuda/skinny.h"
+#include "gpu_check.h"
+
+#define GUARD 64 /* elements past each output that must stay poisoned */
+
+typedef struct {
+    int m, n, k, epilogue, rms_norm;
+} skinny_case;
+
+static int poisoned_bf16(const uint16_t *h, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (h[i] != 0xffff) return 0;
+    return 1;
+}
+
+static void run_case(skinny_case c) {
+    const int m = c.m, n = c.n, k = c.k, out_cols = c.epilogue == SKINNY_GELU_MUL ? n / 2 : n;
+    const size_t out_n = (size_t)m * out_cols;
+    float *x = malloc((size_t)m * k * 4), *w = malloc((size_t)n * k * 4), *res = malloc((size_t)m * n * 4);
+    fill_uniform(x, (size_t)m * k, c.rms_norm ? 6.0f : 1.0f); /* the norm must matter */
+    fill_uniform(w, (size_t)n * k, 1.0f / sqrtf((float)k));
+    fill_uniform(res, (size_t)m * n, 2.0f);
+    uint16_t *xb = to_bf16_rounding(x, (size_t)m * k), *wb = to_bf16_rounding(w, (size_t)n * k);
+
+    /* oracle: row scale from the bf16 x, products in double */
+    float *ref = malloc(out_n * 4 + 4);
+    for (int i = 0; i < m; i++) {
+        double scale = 1, ss = 0;
+        for (int t = 0; t < k; t++) ss += (double)x[(size_t)i * k + t] * x[(size_t)i * k + t];
+        if (c.rms_norm) scale = 1 / sqrt(ss / k + 1e-6);
+        for (int j = 0; j < n; j++) {
+            double acc = 0;
+            for (int t = 0; t < k; t++) acc += (double)x[(size_t)i * k + t] * w[(size_t)j * k + t];
+            acc *= scale;
+            if (c.epilogue == SKINNY_STORE) ref[(size_t)i * n + j] = (float)acc;
+            else if (c.epilogue == SKINNY_RESIDUAL) ref[(size_t)i * n + j] = res[(size_t)i * n + j] + (float)acc;
+            else if (j % 2 == 0) ref[(size_t)i * out_cols + j / 2] = cpu_gelu_tanh((float)acc);
+            else ref[(size_t)i * out_cols + j / 2] *= (float)acc;
+        }
+    }
+
+    pi0_bf16 *dx = dev_upload(xb, (size_t)m * k * 2), *dw = dev_upload(wb, (size_t)n * k * 2);
+    pi0_bf16 *dout = dev_poisoned((out_n + GUARD) * 2), *dres_bf16 = dev_poisoned(((size_t)m * n + GUARD) * 2);
+    float *dres = dev_upload(NULL, ((size_t)m * n + GUARD) * 4);
+    REQUIRE(dx && dw && dout && dres_bf16 && dres, "device allocation");
+    skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = c.rms_norm, .eps = 1e-6f,
+                     .epilogue = c.epilogue, .out = dout, .residual = dres, .residual_bf16 = dres_bf16};
+    float *got[2] = {NULL, NULL};
+    uint16_t *bits[2] = {NULL, NULL};
+    for (int run = 0; run < 2; run++) { /* twice from the same inputs: bitwise repeatable */
+        CUDA_OK(cudaMemcpy(dres, res, (size_t)m * n * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(pi0_cuda_skinny_linear(&a, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        if (c.epilogue == SKINNY_RESIDUAL) {
+            got[run] = download_f32(dres, (size_t)m * n);
+            bits[run] = malloc(((size_t)m * n + GUARD) * 2);
+            CUDA_OK(cudaMemcpy(bits[run], dres_bf16, ((size_t)m * n + GUARD) * 2, cudaMemcpyDeviceToHost));
+        } else {
+            got[run] = download_bf16(dout, out_n);
+            bits[run] = malloc((out_n + GUARD) * 2);
+            CUDA_OK(cudaMemcpy(bits[run], dout, (out_n + GUARD) * 2, cudaMemcpyDeviceToHost));
+        }
+    }
+    const size_t got_n = c.epilogue == SKINNY_RESIDUAL ? (size_t)m * n : out_n;
+    double e = rel_error(got[0], ref, got_n), tol = c.epilogue == SKINNY_RESIDUAL ? 1e-5 : 1e-2;
+    CHECK(e <= tol, "m %d n %d k %d epilogue %d norm %d: error %.3g", m, n, k, c.epilogue, c.rms_norm, e);
+    CHECK(!memcmp(got[0], got[1], got_n * 4) && !memcmp(bits[0], bits[1], got_n * 2),
+          "m %d n %d k %d epilogue %d: two runs differ", m, n, k, c.epilogue);
+    CHECK(poisoned_bf16(bits[0] + got_n, GUARD), "m %d n %d k %d epilogue %d: wrote past the output", m, n, k, c.epilogue);
+    if (c.epilogue == SKINNY_RESIDUAL) { /* the bf16 copy is the float32 result, rounded */
+        int bad = 0;
+        for (size_t i = 0; i < got_n; i++) bad += bits[0][i] != bf16_bits(got[0][i]);
+        CHECK(bad == 0, "m %d n %d k %d: %d bf16 copies differ from the float32 rows", m, n, k, bad);
+    } else {
+        uint16_t *res_bits = malloc(GUARD * 2);
+        CUDA_OK(cudaMemcpy(res_bits, dres_bf16, GUARD * 2, cudaMemcpyDeviceToHost));
+        CHECK(poisoned_bf16(res_bits, GUARD), "epilogue %d wrote the residual's bf16 copy", c.epilogue);
+        free(res_bits);
+    }
+    for (int run = 0; run < 2; run++) free(got[run]), free(bits[run]);
+    free(x), free(w), free(res), free(xb), free(wb), free(ref);
+    cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(dres_bf16), cudaFree(dres);
+}
+
+TEST(pi0_expert_shapes) {
+    /* one denoise layer at batch 1, horizon 10: 11 rows */
+    run_case((skinny_case){11, 2560, 1024, SKINNY_STORE, 1});    /* QKV, input norm folded */
+    run_case((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0}); /* o_proj + residual */
+    run_case((skinny_case){11, 8192, 1024, SKINNY_GELU_MUL, 1}); /* gate|up, post-attention norm, gelu x up */
+    run_case((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0}); /* down + residual */
+}
+
+TEST(awkward_shapes) {
+    const int rows[] = {1, 8, 9, 16, 17, 40};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        run_case((skinny_case){rows[i], 24, 8, SKINNY_STORE, 0});          /* k below one chunk */
+        run_case((skinny_case){rows[i], 1000, 40, SKINNY_STORE, 1});       /* k tail, n past the tile */
+        run_case((skinny_case){rows[i], 7, 264, SKINNY_RESIDUAL, 0});      /* n < 8 */
+        run_case((skinny_case){rows[i], 8200, 1024, SKINNY_GELU_MUL, 1});  /* 4 n8 tiles a block, the last block partial */
+        run_case((skinny_case){rows[i], 4106, 1032, SKINNY_GELU_MUL, 0});  /* 8 chunks a pass, k tail */
+        run_case((skinny_case){rows[i], 1030, 4104, SKINNY_RESIDUAL, 1});  /* C 8, a second pass */
+        run_case((skinny_case){rows[i], 2056, 2056, SKINNY_STORE, 0});     /* 16 warps, k tail */
+    }
+}
+
+TEST(refuses_what_it_cannot_run) {
+    pi0_bf16 *buf = dev_upload(NULL, 1 << 20);
+    float *res = dev_upload(NULL, 1 << 20);
+    REQUIRE(buf && res, "device allocation");
+    skinny_args ok = {.m = 4, .n = 16, .k = 64, .x = buf, .w = buf + 4096, .epilogue = SKINNY_STORE, .out = buf + 8192,
+                      .residual = res, .residual_bf16 = buf + 16384};
+    CHECK(pi0_cuda_skinny_supported(&ok), "a valid call was refused");
+    skinny_args bad = ok;
+    bad.k = 60;
+    CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "k not a multiple of 8 accepted");
+    bad = ok, bad.x = buf + 1;
+    CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "misaligned x accepted");
+    bad = ok, bad.epilogue = SKINNY_GELU_MUL, bad.n = 15;
+    CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "odd n with gelu x up accepted");
+    bad = ok, bad.epilogue = SKINNY_RESIDUAL, bad.residual_bf16 = NULL;
+    CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "residual without its bf16 copy accepted");
+    bad = ok, bad.epilogue = 7;
+    CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "unknown epilogue accepted");
+    bad = ok, bad.m = 0;
+    CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "zero rows accepted");
+    CHECK(pi0_cuda_skinny_linear(NULL, 0) == cudaErrorInvalidValue, "NULL arguments accepted");
+    CUDA_OK(cudaDeviceSynchronize());
+    cudaFree(buf), cudaFree(res);
+}
+
+int main(int argc, char **argv) {
+    check_init(argc, argv);
+    gpu_seed();
+    RUN(pi0_expert_shapes);
+    RUN(awkward_shapes);
+    RUN(refuses_what_it_cannot_run);
+    return check_finish();
+}
