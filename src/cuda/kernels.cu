@@ -3,9 +3,8 @@
  *
  * These are memory-bound and small next to the GEMMs: the design goal is one pass over the data
  * with float32 arithmetic, one block per row for the norms (a row of 1024..2048 floats fits a
- * block's registers twice over), and grid-stride loops elsewhere. Fusing them into GEMM prologues
- * and epilogues is the next step (bench/NOTES.md); keeping them separate first makes each one
- * testable against the CPU oracle.
+ * block's registers twice over), and grid-stride loops elsewhere. For the denoise loop's few rows,
+ * skinny.cu fuses the norms and gelu x up into its Linears; these kernels serve every other shape.
  */
 #include <cuda_bf16.h>
 
