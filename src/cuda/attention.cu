@@ -143,6 +143,36 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t r[2], uint32_t addr) {
 }
 
 /*
+ * O += P V over KEYS keys (a multiple of 16) for one warp's 16 rows: the C tiles (n = 2kc, 2kc+1) of
+ * S = Q K^T form the A fragment of keys [16kc, 16kc+16), rounded to bf16; V comes from shared memory
+ * (rows = keys, stride LDS) through ldmatrix .trans at v_addr.
+ */
+template <int HD, int KEYS>
+__device__ __forceinline__ void accumulate_pv(float (&o)[HD / 8][4], const float (&s)[KEYS / 8][4], uint32_t v_addr) {
+    using C = AttnConfig<HD>;
+#pragma unroll
+    for (int kc = 0; kc < KEYS / 16; kc++) {
+        uint32_t a[4];
+        a[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
+        a[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
+        a[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        a[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < C::NTO / 2; dp++) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, v_addr + (kc * 16 * C::LDS + dp * 16) * 2);
+            mma_bf16(o[2 * dp], a, b[0], b[1]);
+            mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+        }
+        if constexpr (C::NTO % 2 != 0) {
+            uint32_t b[2];
+            ldsm_x2_trans(b, v_addr + (kc * 16 * C::LDS + (C::NTO - 1) * 8) * 2);
+            mma_bf16(o[C::NTO - 1], a, b[0], b[1]);
+        }
+    }
+}
+
+/*
  * The end of a key-split kernel (split > 1, sm_90+): the `split` blocks of a cluster each hold an
  * unnormalized partial O, row max m (log2 domain) and row sum l for the same 64 rows over their own
  * keys. Block `rank` owns rows [rank * R, rank * R + R), R = 64 / split. After a cluster barrier (every
@@ -406,27 +436,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 128 ? 4 : 2) attention_kernel(
         }
 
         if (warp_active) {
-            /* O += P V: the C tiles (n = 2kc, 2kc+1) of S form the A fragment of keys [16kc, 16kc+16). */
-#pragma unroll
-            for (int kc = 0; kc < 4; kc++) {
-                uint32_t a[4];
-                a[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
-                a[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
-                a[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-                a[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-#pragma unroll
-                for (int dp = 0; dp < C::NTO / 2; dp++) {
-                    uint32_t b[4];
-                    ldsm_x4_trans(b, v_addr + (kc * 16 * C::LDS + dp * 16) * 2);
-                    mma_bf16(o[2 * dp], a, b[0], b[1]);
-                    mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
-                }
-                if constexpr (C::NTO % 2 != 0) {
-                    uint32_t b[2];
-                    ldsm_x2_trans(b, v_addr + (kc * 16 * C::LDS + (C::NTO - 1) * 8) * 2);
-                    mma_bf16(o[C::NTO - 1], a, b[0], b[1]);
-                }
-            }
+            accumulate_pv<HD, kKeys>(o, s, v_addr);
         }
     }
 
@@ -743,26 +753,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
                 l0 += s[n][0] + s[n][1];
                 l1 += s[n][2] + s[n][3];
             }
-#pragma unroll
-            for (int kc = 0; kc < 2; kc++) {
-                uint32_t a[4];
-                a[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
-                a[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
-                a[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-                a[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-#pragma unroll
-                for (int dp = 0; dp < C::NTO / 2; dp++) {
-                    uint32_t b[4];
-                    ldsm_x4_trans(b, v_addr + (kc * 16 * C::LDS + dp * 16) * 2);
-                    mma_bf16(o[2 * dp], a, b[0], b[1]);
-                    mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
-                }
-                if constexpr (C::NTO % 2 != 0) {
-                    uint32_t b[2];
-                    ldsm_x2_trans(b, v_addr + (kc * 16 * C::LDS + (C::NTO - 1) * 8) * 2);
-                    mma_bf16(o[C::NTO - 1], a, b[0], b[1]);
-                }
-            }
+            accumulate_pv<HD, kDecodeKeys>(o, s, v_addr);
         }
         __syncthreads(); /* every warp is done with this chunk's K and V */
     }
