@@ -142,6 +142,27 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t r[2], uint32_t addr) {
                  : "memory");
 }
 
+/* S = Q K^T over KEYS keys (a multiple of 16) for one warp's 16 rows: Q and K from shared memory
+ * through ldmatrix at q_addr (this lane's A address) and k_addr (its B address, rows = keys). */
+template <int HD, int KEYS>
+__device__ __forceinline__ void compute_scores(float (&s)[KEYS / 8][4], uint32_t q_addr, uint32_t k_addr) {
+    using C = AttnConfig<HD>;
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < C::KCH; kc++) {
+        uint32_t a[4];
+        ldsm_x4(a, q_addr + kc * 32);
+#pragma unroll
+        for (int np = 0; np < KEYS / 16; np++) {
+            uint32_t b[4];
+            ldsm_x4(b, k_addr + (np * 16 * C::LDS + kc * 16) * 2);
+            mma_bf16(s[2 * np], a, b[0], b[1]);
+            mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+
 /*
  * O += P V over KEYS keys (a multiple of 16) for one warp's 16 rows: the C tiles (n = 2kc, 2kc+1) of
  * S = Q K^T form the A fragment of keys [16kc, 16kc+16), rounded to bf16; V comes from shared memory
@@ -358,20 +379,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 128 ? 4 : 2) attention_kernel(
 
         float s[8][4];
         if (warp_active) {
-#pragma unroll
-            for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-            for (int kc = 0; kc < C::KCH; kc++) {
-                uint32_t a[4];
-                ldsm_x4(a, q_addr + kc * 32);
-#pragma unroll
-                for (int np = 0; np < 4; np++) {
-                    uint32_t b[4];
-                    ldsm_x4(b, k_addr + (np * 16 * C::LDS + kc * 16) * 2);
-                    mma_bf16(s[2 * np], a, b[0], b[1]);
-                    mma_bf16(s[2 * np + 1], a, b[2], b[3]);
-                }
-            }
+            compute_scores<HD, kKeys>(s, q_addr, k_addr);
 
             /* Scale into the log2 domain; mask keys past each row's visible range. */
 #pragma unroll
@@ -708,20 +716,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
         __syncthreads();     /* ... and for every thread */
         if (warp_active) {
             float s[4][4];
-#pragma unroll
-            for (int n = 0; n < 4; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-            for (int kc = 0; kc < C::KCH; kc++) {
-                uint32_t a[4];
-                ldsm_x4(a, q_addr + kc * 32);
-#pragma unroll
-                for (int np = 0; np < 2; np++) {
-                    uint32_t b[4];
-                    ldsm_x4(b, k_addr + (np * 16 * C::LDS + kc * 16) * 2);
-                    mma_bf16(s[2 * np], a, b[0], b[1]);
-                    mma_bf16(s[2 * np + 1], a, b[2], b[3]);
-                }
-            }
+            compute_scores<HD, kDecodeKeys>(s, q_addr, k_addr);
             float mx0 = m0, mx1 = m1;
 #pragma unroll
             for (int n = 0; n < 4; n++) {
