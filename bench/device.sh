@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs, in one call of the device machine: unpack the carried Debian
 # packages (OpenBLAS, jansson, msgpack-c, libwebsockets), build for sm_90a, run the GPU tests, then the
-# benchmarks. Usage (on the device): bench/device.sh [build|tests|lab|quick|bench|serve|all]; logs go to $OUT (or
-# ./device-out). `serve` times `pi0 serve` on a real-size random checkpoint with openpi's client, whose
+# benchmarks. Usage (on the device): bench/device.sh [build|tests|lab|quick|ab|bench|serve|all]; logs go to $OUT (or
+# ./device-out). `ab` times the seed workload and H=50 alternately with this tree and with an older one
+# unpacked in .before/ (here: `rm -rf .before && mkdir .before && git archive COMMIT | tar -x -C .before`,
+# then carry .before): the same-run before/after for changes that have no A/B switch. `serve` times
+# `pi0 serve` on a real-size random checkpoint with openpi's client, whose
 # wheels are carried in .deps/wheels (the device has no package registry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +48,16 @@ if [ "$what" = quick ]; then   # the seed workload and H=50 only (with BEFORE ro
     {
         if [ -n "${BEFORE:-}" ]; then AB=$BEFORE run; AB=$BEFORE run --horizon 50; fi
         run; run --horizon 50
+    } > "$OUT/bench.jsonl" 2> "$OUT/bench.err"
+    python3 bench/table.py "$OUT/bench.jsonl"
+fi
+if [ "$what" = ab ]; then
+    [ -d .before/src ] || { echo "ab: no .before/ tree (see the usage above)"; exit 1; }
+    make -C .before -j16 "${make_args[@]}" build/pi0 > "$OUT/build-before.log" 2>&1 || { tail -30 "$OUT/build-before.log"; exit 1; }
+    before() { echo "## before: build/pi0 bench $*"; .before/build/pi0 bench "$@" --json; }
+    {
+        for round in 1 2; do before; run; done
+        before --horizon 50; run --horizon 50
     } > "$OUT/bench.jsonl" 2> "$OUT/bench.err"
     python3 bench/table.py "$OUT/bench.jsonl"
 fi

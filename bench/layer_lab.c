@@ -75,13 +75,13 @@ static void *zeros(size_t bytes) {
     return d;
 }
 
-typedef enum { OP_QKV, OP_O, OP_GATE_UP, OP_DOWN, OP_ROPE, OP_ATTENTION, OP_NORM, OP_GELU, OP_LAYER,
+typedef enum { OP_QKV, OP_QKV_ROPE, OP_O, OP_GATE_UP, OP_DOWN, OP_ROPE, OP_ATTENTION, OP_NORM, OP_GELU, OP_LAYER,
                OP_QKV_LT, OP_O_LT, OP_GATE_UP_LT, OP_DOWN_LT, OP_LAYER_LT, NUM_OPS } op;
 static const char *op_names[NUM_OPS] = {
-    "skinny QKV (norm)", "skinny o_proj (+res)", "skinny gate|up (norm, gelu)", "skinny down (+res)", "rope + cache",
+    "skinny QKV (norm)", "skinny QKV (norm, rope, cache)", "skinny o_proj (+res)", "skinny gate|up (norm, gelu)", "skinny down (+res)", "rope + cache",
     "attention", "rmsnorm", "gelu x up", "layer, skinny path", "cublasLt QKV", "cublasLt o_proj", "cublasLt gate|up",
     "cublasLt down", "layer, cublasLt path"};
-static const double op_bytes[NUM_OPS] = {2.0 * QKV * WIDTH, 2.0 * WIDTH * HEADS * HEAD_DIM, 4.0 * MLP * WIDTH,
+static const double op_bytes[NUM_OPS] = {2.0 * QKV * WIDTH, 2.0 * QKV * WIDTH, 2.0 * WIDTH * HEADS * HEAD_DIM, 4.0 * MLP * WIDTH,
                                          2.0 * WIDTH * MLP, 0, 0, 0, 0, 0, 2.0 * QKV * WIDTH, 2.0 * WIDTH * HEADS * HEAD_DIM,
                                          4.0 * MLP * WIDTH, 2.0 * WIDTH * MLP, 0};
 
@@ -91,6 +91,10 @@ static void enqueue(lab *L, op o, int layer) {
     pi0_error err = {0};
     skinny_args qkv = {.m = m, .n = QKV, .k = WIDTH, .x = L->x_bf16, .w = w->qkv_w, .rms_norm = 1, .eps = 1e-6f,
                        .epilogue = SKINNY_STORE, .out = L->qkv};
+    skinny_args qkv_rope = qkv;
+    qkv_rope.epilogue = SKINNY_ROPE_QKV, qkv_rope.heads = HEADS, qkv_rope.kv_heads = 1, qkv_rope.head_dim = HEAD_DIM;
+    qkv_rope.positions = L->pos, qkv_rope.cache_rows = L->cache_rows, qkv_rope.rope_cos = L->rope_cos;
+    qkv_rope.rope_sin = L->rope_sin, qkv_rope.cache_k = L->cache_k, qkv_rope.cache_v = L->cache_v;
     skinny_args o_proj = {.m = m, .n = WIDTH, .k = HEADS * HEAD_DIM, .x = L->att, .w = w->o_w,
                           .epilogue = SKINNY_RESIDUAL, .residual = L->x, .residual_bf16 = L->x_bf16};
     skinny_args gate_up = {.m = m, .n = 2 * MLP, .k = WIDTH, .x = L->x_bf16, .w = w->gate_up_w, .rms_norm = 1,
@@ -106,6 +110,7 @@ static void enqueue(lab *L, op o, int layer) {
     cudaStream_t st = L->stream;
     switch (o) {
     case OP_QKV: CK(pi0_cuda_skinny_linear(&qkv, st)); break;
+    case OP_QKV_ROPE: CK(pi0_cuda_skinny_linear(&qkv_rope, st)); break;
     case OP_O: CK(pi0_cuda_skinny_linear(&o_proj, st)); break;
     case OP_GATE_UP: CK(pi0_cuda_skinny_linear(&gate_up, st)); break;
     case OP_DOWN: CK(pi0_cuda_skinny_linear(&down, st)); break;
@@ -119,11 +124,11 @@ static void enqueue(lab *L, op o, int layer) {
         break;
     case OP_NORM: CK(pi0_cuda_rmsnorm(L->h, L->x, NULL, m, WIDTH, NULL, 1e-6f, st)); break;
     case OP_GELU: CK(pi0_cuda_gelu_mul(L->mlp, L->mlp2, m, MLP, st)); break;
-    case OP_LAYER:
-        for (op p = OP_QKV; p <= OP_ATTENTION; p++)
-            if (p != OP_O && p != OP_GATE_UP && p != OP_DOWN) enqueue(L, p, layer);
-        enqueue(L, OP_O, layer), enqueue(L, OP_GATE_UP, layer), enqueue(L, OP_DOWN, layer);
+    case OP_LAYER: {
+        static const op seq[] = {OP_QKV_ROPE, OP_ATTENTION, OP_O, OP_GATE_UP, OP_DOWN};
+        for (size_t i = 0; i < sizeof seq / sizeof seq[0]; i++) enqueue(L, seq[i], layer);
         break;
+    }
     case OP_QKV_LT: (void)gemm_run(&L->gemm, &lt_qkv, st, &err); break;
     case OP_O_LT: (void)gemm_run(&L->gemm, &lt_o, st, &err); break;
     case OP_GATE_UP_LT: (void)gemm_run(&L->gemm, &lt_gate_up, st, &err); break;

@@ -26,4 +26,12 @@ print(f"{'kernel family':<40} {'count':>6} {'total us':>10} {'mean us':>8} {'sha
 for k, (n, t) in sorted(fam.items(), key=lambda kv: -kv[1][1]):
     print(f"{k[:40]:<40} {n:>6} {t:>10.1f} {t / n:>8.2f} {100 * t / total:>5.1f}%")
 print(f"{'total (kernels back to back, no gaps)':<40} {sum(v[0] for v in fam.values()):>6} {total:>10.1f}")
+# One layer of each stack in launch order: the first vision layer and the first prefix layer.
+names = [re.sub(r"[<(].*", "", r[name])[:60] for r in rows]
+times = [float(r[value].replace(",", "")) / 1e3 for r in rows]
+starts = {"vision (from the patch embedding)": 0}
+if "assemble_prefix_kernel" in names: starts["prefix (from the embedding)"] = names.index("assemble_prefix_kernel")
+for label, at in starts.items():
+    print(f"\n{label}:")
+    for n, t in list(zip(names, times))[at:at + 13]: print(f"  {t:9.2f} us  {n}")
 PY

@@ -28,7 +28,7 @@
  * tiles rank, rank + split, ..., and at the end the blocks merge their partial (O, max, sum) through
  * distributed shared memory (combine_split): no workspace in device memory, one kernel, and the grid
  * depends only on host arguments, so the call stays graph-capturable. The split is chosen so the grid
- * still fits on the GPU in one wave; grids that fill the GPU anyway (ViT, big batches) are not split.
+ * still fits on the GPU in one wave; grids that fill the GPU anyway (big batches) and the ViT are not split.
  * Before sm_90 (no clusters) there is no split.
  *
  * head_dim is a template constant: 256 (Gemma) and 72 (SigLIP). For 72 the QK^T contraction is
@@ -575,10 +575,11 @@ cudaError_t configure(DeviceInfo *out) {
  * block would otherwise walk many tiles on a mostly idle GPU. Measured on H200 (us, no split -> split):
  * batch-1 denoise (11 q x 799 k, 2 blocks) 53 -> 17 with 8; batch-8 denoise (51 q, 56 blocks) 58 ->
  * 35 with 4; batch-1 prefix (788 tokens, 99 blocks) 56 -> 50.5 with 2; but a 3-image ViT call (192
- * blocks of 4 tiles each) 12.4 -> 14.8 with 2. The host does not know num_k (it lives in device
- * memory), so the rule uses the head dim as the hint: Gemma (256) attends over hundreds of keys, the
- * ViT (72) over 256. No split for grids of half a wave or more (head_dim 256) or a quarter wave or
- * more (smaller head dims); else double the blocks while the grid still fits in one wave. */
+ * blocks of 4 tiles each) 12.4 -> 14.8 with 2, and on an H100 the 2-image ViT (128 blocks) took 1.78 ms
+ * for its 27 layers unsplit against 2.14 with the split of 4 this rule used to pick. The host does not
+ * know num_k (it lives in device memory), so the rule uses the head dim as the hint: Gemma (256)
+ * attends over hundreds of keys and splits when the grid is under half a wave (doubling while the grid
+ * still fits in one wave); smaller head dims (the ViT's 256 keys, the test models) never split. */
 int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim) {
     static int env_cap = -1; /* PI0_ATTN_SPLIT=n: the automatic choice goes no higher than n (A/B runs) */
     if (env_cap < 0) {
@@ -591,7 +592,7 @@ int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim) {
         return split;
     }
     const long long capacity = (long long)d.sms * d.blocks_per_sm;
-    if (base_blocks * (head_dim >= 256 ? 2 : 4) > capacity) return 1;
+    if (head_dim < 256 || base_blocks * 2 > capacity) return 1;
     while (split * 2 <= d.max_split && split * 2 <= env_cap && base_blocks * split * 2 <= capacity) split *= 2;
     return split;
 }
@@ -659,6 +660,8 @@ size_t decode_workspace_bytes(int problems, int head_dim) {
 template <int HD>
 __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnParams p, float *ws) {
     using C = AttnConfig<HD>;
+    pdl_trigger(); /* launched as a dependent (device.cuh): everything below needs the previous kernel */
+    pdl_wait();
     const attn_segment seg = p.segments[blockIdx.z];
     const int G = p.group, rows_total = seg.num_q * G, num_k = seg.num_k;
     const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys;
@@ -779,6 +782,8 @@ template <int HD>
 __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnParams p, const float *ws) {
     __shared__ float weight[kDecodeBlocks];
     __shared__ float inv_sum;
+    pdl_trigger();
+    pdl_wait();
     const attn_segment seg = p.segments[blockIdx.z];
     const int G = p.group, rows_total = seg.num_q * G, num_k = seg.num_k, row = blockIdx.x;
     if (seg.num_q <= 0 || num_k <= 0 || row >= rows_total) return; /* block-uniform */
@@ -823,12 +828,13 @@ cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_head
         if (e != cudaSuccess) return e;
         if (dev >= 0 && dev < kMaxDevices) __atomic_store_n(&configured[dev], 1, __ATOMIC_RELEASE);
     }
+    cudaLaunchAttribute attr;
     const dim3 partial_grid(kDecodeBlocks, (unsigned)num_kv_heads, (unsigned)num_segments);
-    decode_partial_kernel<HD><<<partial_grid, kDecodeThreads, DecodeConfig<HD>::SMEM, stream>>>(p, ws);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    cudaLaunchConfig_t cfg = launch_config(partial_grid, dim3(kDecodeThreads), DecodeConfig<HD>::SMEM, stream, 1, &attr);
+    if ((e = cudaLaunchKernelEx(&cfg, decode_partial_kernel<HD>, p, ws)) != cudaSuccess) return e;
     const dim3 combine_grid((unsigned)max_rows, (unsigned)num_kv_heads, (unsigned)num_segments);
-    decode_combine_kernel<HD><<<combine_grid, kDecodeThreads, 0, stream>>>(p, ws);
-    return cudaGetLastError();
+    cfg = launch_config(combine_grid, dim3(kDecodeThreads), 0, stream, 1, &attr);
+    return cudaLaunchKernelEx(&cfg, decode_combine_kernel<HD>, p, (const float *)ws);
 }
 
 

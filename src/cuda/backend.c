@@ -283,17 +283,19 @@ static pi0_status skinny(const skinny_args *a, cudaStream_t stream, pi0_error *e
 }
 
 /* The expert's block over a few rows (a batch-1 denoise step): 4 skinny Linears (skinny.h) with the
- * norms (folded at load) and gelu x up inside them, the residual adds in their epilogues, which also
- * keep x_bf16 current for the next Linear. 6 launches instead of gemma_block's 10. */
+ * norms (folded at load), RoPE and the K/V cache writes, and gelu x up inside them, the residual adds
+ * in their epilogues, which also keep x_bf16 current for the next Linear. 5 launches (6 with the
+ * attention's merge) instead of gemma_block's 10. */
 static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, const pi0_stack_dims *d, const gemma_rows *r,
                                      pi0_bf16 *cache_k, pi0_bf16 *cache_v, pi0_error *err) {
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
     int qkv_dim = q_dim + 2 * kv_dim;
     const gemma_buffers *b = r->b;
     TRY(skinny(&(skinny_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->x_bf16, .w = l->qkv_w, .rms_norm = 1,
-                              .eps = NORM_EPS, .epilogue = SKINNY_STORE, .out = b->qkv}, s->stream, err));
-    CUDA_TRY(pi0_cuda_rope_qkv(b->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
-                               cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
+                              .eps = NORM_EPS, .epilogue = SKINNY_ROPE_QKV, .out = b->qkv, .heads = d->num_heads,
+                              .kv_heads = d->num_kv_heads, .head_dim = hd, .positions = r->positions,
+                              .cache_rows = r->cache_rows, .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin,
+                              .cache_k = cache_k, .cache_v = cache_v}, s->stream, err));
     CUDA_TRY(pi0_cuda_attention_ws(b->att, q_dim, b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
                                    r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd), r->attn_ws,
                                    r->attn_ws_bytes, s->stream));

@@ -1,11 +1,14 @@
 /*
  * device.cuh - device helpers shared by the CUDA backend's kernels: bf16 packing, the tensor-core
- * product they all use, and the tanh GELU.
+ * product they all use, the tanh GELU, and programmatic dependent launch.
  */
 #ifndef PI0_CUDA_DEVICE_CUH
 #define PI0_CUDA_DEVICE_CUH
 
+#include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* c (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col) */
 static __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
@@ -29,6 +32,62 @@ static __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_f
 static __device__ __forceinline__ float gelu_tanh(float x) {
     const float sqrt_2_over_pi = 0.7978845608028654f;
     return 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * (x + 0.044715f * x * x * x)));
+}
+
+/*
+ * Programmatic dependent launch (sm_90+). A chain of short kernels (a denoise layer at batch 1: ~5 us
+ * each) loses ~1-2 us at every boundary to launch and ramp-up. A kernel launched with
+ * launch_config(..., pdl = 1) may start while the kernel before it in the stream is still running, as
+ * soon as that one's blocks have all called pdl_trigger() (or exited); it does what needs nothing from
+ * its predecessors (loading weights) and then pdl_wait(), which returns once the predecessor has
+ * finished and its writes are visible. Rules for such a kernel: pdl_wait() in every block before
+ * reading what an earlier kernel wrote or writing what one reads, and also before an early exit (so
+ * that "this kernel finished" still implies "every kernel before it finished"). Both are no-ops
+ * before sm_90 and in kernels launched without the attribute.
+ */
+static __device__ __forceinline__ void pdl_wait(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void pdl_trigger(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+/* Whether the current device takes dependent launches: sm_90+, unless PI0_PDL=0 (A/B runs). */
+static inline int pdl_supported(void) {
+    static int env_off = -1;
+    if (env_off < 0) {
+        const char *env = getenv("PI0_PDL");
+        env_off = env && !strcmp(env, "0");
+    }
+    int dev = 0, major = 0;
+    if (env_off || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return major >= 9;
+}
+
+/* A launch configuration for cudaLaunchKernelEx; `attr` must outlive it. */
+static inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int pdl,
+                                               cudaLaunchAttribute *attr) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    if (pdl && pdl_supported()) {
+        attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr->val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+    }
+    return cfg;
 }
 
 #endif

@@ -20,6 +20,11 @@
  * in warp order, so the result does not depend on timing. The epilogue then scales, applies
  * GELU x up or the residual add, and stores.
  *
+ * RoPE (SKINNY_ROPE_QKV). Rotate-half pairs column i of a head with column i + head_dim / 2, so with
+ * RoPE a block (NT = 2) does not own 16 contiguous columns: its first n8 tile takes columns
+ * i0 .. i0 + 7 of one head's first half and its second tile the same columns of the second half; each
+ * epilogue thread then holds both members of its pair and rotates the float32 result before rounding.
+ *
  * The RMSNorm: the statistics come from the bf16 x the product uses, summed in float32 (a relative
  * difference of ~2^-9 / sqrt(k) from the float32 rows), and the factor is applied to the float32
  * accumulator, where openpi rounds the normalized row to bf16 before the product: the same number of
@@ -44,6 +49,10 @@ struct SkinnyParams {
     uint16_t *out;
     float *residual;
     uint16_t *residual_bf16;
+    int heads, kv_heads, head_dim;
+    const int *positions, *cache_rows;
+    const float *rope_cos, *rope_sin;
+    uint16_t *cache_k, *cache_v;
 };
 
 /* Weights are read once per call: keep them out of L1. */
@@ -63,6 +72,25 @@ __device__ __forceinline__ float sum_squares(uint4 v) {
     return s;
 }
 
+/* Rotates the pair (lo, hi) = columns (i, i + head_dim / 2) of `head` in row m and stores it: q to out,
+ * k rotated and v as is to the row's cache row. */
+__device__ __forceinline__ void store_rope(const SkinnyParams &p, int m, int head, int i, float lo, float hi) {
+    const int hd = p.head_dim, half = hd / 2, kv_dim = p.kv_heads * hd;
+    uint16_t *dst;
+    if (head < p.heads + p.kv_heads) {
+        const size_t at = (size_t)p.positions[m] * half + i;
+        const float c = p.rope_cos[at], s = p.rope_sin[at], x1 = lo, x2 = hi;
+        lo = x1 * c - x2 * s;
+        hi = x2 * c + x1 * s;
+        dst = head < p.heads ? p.out + (size_t)m * p.n + (size_t)head * hd
+                             : p.cache_k + (size_t)p.cache_rows[m] * kv_dim + (size_t)(head - p.heads) * hd;
+    } else {
+        dst = p.cache_v + (size_t)p.cache_rows[m] * kv_dim + (size_t)(head - p.heads - p.kv_heads) * hd;
+    }
+    dst[i] = __bfloat16_as_ushort(__float2bfloat16(lo));
+    dst[i + half] = __bfloat16_as_ushort(__float2bfloat16(hi));
+}
+
 template <int NT, int C>
 __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 1) skinny_kernel(SkinnyParams p) {
     constexpr int NC = 8 * NT; /* columns of the block */
@@ -73,25 +101,41 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
     const bool row0 = m0 + g < p.m, row1 = m0 + g + 8 < p.m;
     const uint16_t *x0 = p.x + (size_t)(m0 + g) * p.k, *x1 = x0 + (size_t)8 * p.k;
     const uint4 zero = make_uint4(0, 0, 0, 0);
+    const bool rope = NT == 2 && p.epilogue == SKINNY_ROPE_QKV; /* the host runs RoPE with NT = 2 */
+    int tile_n[NT]; /* this lane's column (weight row) of each n8 tile */
+#pragma unroll
+    for (int j = 0; j < NT; j++) tile_n[j] = n0 + j * 8 + g;
+    int head = 0, i0 = 0; /* with RoPE: the block's head and first column within each half */
+    if (rope) {
+        head = (int)blockIdx.x / (p.head_dim / 16);
+        i0 = (int)blockIdx.x % (p.head_dim / 16) * 8;
+#pragma unroll
+        for (int j = 0; j < NT; j++) tile_n[j] = head * p.head_dim + j * (p.head_dim / 2) + i0 + g;
+    }
 
     float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     float ss0 = 0.f, ss1 = 0.f;
 
+    pdl_trigger(); /* the next kernel may start streaming its weights */
     for (int kb = warp * C * 32; kb < p.k; kb += warps * C * 32) {
         uint4 wv[C][NT], xa[C], xb[C];
 #pragma unroll
         for (int c = 0; c < C; c++) {
             const int k = kb + c * 32 + t * 8;
-            const bool kin = k < p.k;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                const int n = n0 + j * 8 + g;
-                wv[c][j] = kin && n < p.n ? load_stream(p.w + (size_t)n * p.k + k) : zero;
+                const int n = tile_n[j];
+                wv[c][j] = k < p.k && n < p.n ? load_stream(p.w + (size_t)n * p.k + k) : zero;
             }
-            xa[c] = kin && row0 ? __ldg(reinterpret_cast<const uint4 *>(x0 + k)) : zero;
-            xb[c] = kin && row1 ? __ldg(reinterpret_cast<const uint4 *>(x1 + k)) : zero;
+        }
+        pdl_wait(); /* x is the previous kernel's output (a no-op after the first pass) */
+#pragma unroll
+        for (int c = 0; c < C; c++) {
+            const int k = kb + c * 32 + t * 8;
+            xa[c] = k < p.k && row0 ? __ldg(reinterpret_cast<const uint4 *>(x0 + k)) : zero;
+            xb[c] = k < p.k && row1 ? __ldg(reinterpret_cast<const uint4 *>(x1 + k)) : zero;
         }
 #pragma unroll
         for (int c = 0; c < C; c++) {
@@ -132,7 +176,23 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
     }
     __syncthreads();
 
-    /* Epilogue: one thread per output (per column pair for GELU x up). */
+    /* Epilogue: one thread per output (per column pair for GELU x up and RoPE). */
+    if (rope) {
+        constexpr int half_cols = NC / 2;
+        for (int e = threadIdx.x; e < 16 * half_cols; e += blockDim.x) {
+            const int row = e / half_cols, c = e % half_cols, m = m0 + row;
+            if (m >= p.m) continue;
+            float s = 0.f, lo = 0.f, hi = 0.f;
+            for (int w = 0; w < warps; w++) {
+                if (p.rms_norm) s += ss[w * 16 + row];
+                lo += smem[(w * 16 + row) * NC + c];
+                hi += smem[(w * 16 + row) * NC + c + half_cols];
+            }
+            const float scale = p.rms_norm ? rsqrtf(s / (float)p.k + p.eps) : 1.f;
+            store_rope(p, m, head, i0 + c, lo * scale, hi * scale);
+        }
+        return;
+    }
     const int pairs = p.epilogue == SKINNY_GELU_MUL;
     const int per_row = pairs ? NC / 2 : NC;
     for (int e = threadIdx.x; e < 16 * per_row; e += blockDim.x) {
@@ -172,7 +232,7 @@ struct Shape {
     int warps, nt, chunks;
 };
 
-Shape choose_shape(int n, int k) {
+Shape choose_shape(int n, int k, int rope) {
     Shape s;
     s.warps = k / 128;
     s.warps = s.warps < 1 ? 1 : s.warps > kMaxWarps ? kMaxWarps : s.warps;
@@ -181,6 +241,7 @@ Shape choose_shape(int n, int k) {
     s.nt = 1;
     const int max_nt = s.chunks == 8 ? 1 : s.warps <= 8 ? 4 : 2;
     while (s.nt < max_nt && tiles / (2 * s.nt) >= 128) s.nt *= 2;
+    if (rope) s.nt = 2, s.chunks = 4; /* a block holds 8 columns of each half of a head */
     return s;
 }
 
@@ -188,8 +249,9 @@ template <int NT, int C>
 cudaError_t launch(const SkinnyParams &p, int warps, cudaStream_t stream) {
     const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 15) / 16));
     const size_t smem = (size_t)warps * 16 * (8 * NT + 1) * sizeof(float);
-    skinny_kernel<NT, C><<<grid, warps * 32, smem, stream>>>(p);
-    return cudaGetLastError();
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = launch_config(grid, dim3((unsigned)warps * 32), smem, stream, 1, &attr);
+    return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, C>, p);
 }
 
 } /* namespace */
@@ -202,15 +264,20 @@ extern "C" int pi0_cuda_skinny_supported(const skinny_args *a) {
     case SKINNY_STORE: return a->out != NULL;
     case SKINNY_GELU_MUL: return a->out != NULL && a->n % 2 == 0;
     case SKINNY_RESIDUAL: return a->residual != NULL && a->residual_bf16 != NULL;
+    case SKINNY_ROPE_QKV:
+        return a->out && a->cache_k && a->cache_v && a->positions && a->cache_rows && a->rope_cos && a->rope_sin &&
+               a->heads > 0 && a->kv_heads > 0 && a->head_dim > 0 && a->head_dim % 16 == 0 &&
+               (long long)(a->heads + 2LL * a->kv_heads) * a->head_dim == a->n;
     default: return 0;
     }
 }
 
 extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream) {
     if (!pi0_cuda_skinny_supported(a)) return cudaErrorInvalidValue;
-    const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->epilogue,
-                            a->out, a->residual, a->residual_bf16};
-    const Shape s = choose_shape(a->n, a->k);
+    const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->epilogue, a->out, a->residual,
+                            a->residual_bf16, a->heads, a->kv_heads, a->head_dim, a->positions, a->cache_rows,
+                            a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
+    const Shape s = choose_shape(a->n, a->k, a->epilogue == SKINNY_ROPE_QKV);
     if (s.chunks == 8) return launch<1, 8>(p, s.warps, stream);
     switch (s.nt) {
     case 1: return launch<1, 4>(p, s.warps, stream);

@@ -10,6 +10,11 @@
  *   SKINNY_GELU_MUL  out (m, n / 2) bf16 = gelu_tanh(gate) * up, w's rows interleaved (gate_j, up_j)
  *   SKINNY_RESIDUAL  residual (m, n) float32 += result, and residual_bf16 = the new rows in bf16
  *                    (the next skinny layer's x)
+ *   SKINNY_ROPE_QKV  a Q|K|V projection (n = (heads + 2 kv_heads) head_dim) with rotate-half RoPE at
+ *                    positions[m] on the float32 result: q to out (row stride n; out's k and v
+ *                    columns are not written), k and v to row cache_rows[m] of cache_k / cache_v
+ *                    (rows of kv_heads * head_dim). This is pi0_cuda_rope_qkv fused in, one launch
+ *                    and one bf16 rounding fewer.
  * bf16 operands, float32 accumulation, statistics and epilogue; deterministic (fixed summation
  * order, no atomics).
  */
@@ -24,7 +29,7 @@
 extern "C" {
 #endif
 
-enum { SKINNY_STORE, SKINNY_GELU_MUL, SKINNY_RESIDUAL };
+enum { SKINNY_STORE, SKINNY_GELU_MUL, SKINNY_RESIDUAL, SKINNY_ROPE_QKV };
 
 /* Rows up to which the backend prefers these kernels to cuBLASLt (bench/NOTES.md). */
 #define SKINNY_MAX_ROWS 16
@@ -35,13 +40,18 @@ typedef struct {
     int rms_norm;
     float eps;
     int epilogue;
-    pi0_bf16 *out;           /* STORE, GELU_MUL */
+    pi0_bf16 *out;           /* STORE, GELU_MUL, ROPE_QKV */
     float *residual;         /* RESIDUAL */
     pi0_bf16 *residual_bf16; /* RESIDUAL */
+    /* ROPE_QKV */
+    int heads, kv_heads, head_dim;       /* head_dim a multiple of 16 */
+    const int *positions, *cache_rows;   /* per row */
+    const float *rope_cos, *rope_sin;    /* (position, head_dim / 2) */
+    pi0_bf16 *cache_k, *cache_v;
 } skinny_args;
 
 /* Whether the kernels take these arguments: k a multiple of 8, 16-byte aligned x and w, n even for
- * GELU_MUL, the outputs of the epilogue present. (Any m works; past 16 rows w is re-read per 16.) */
+ * GELU_MUL, n matching the heads for ROPE_QKV, the outputs of the epilogue present. (Any m works; past 16 rows w is re-read per 16.) */
 int pi0_cuda_skinny_supported(const skinny_args *a);
 
 /* cudaErrorInvalidValue when not supported, else the launch error. */

@@ -70,8 +70,7 @@ TEST(rmsnorm_matches_cpu_with_row_map) {
     cudaFree(dx), cudaFree(dw), cudaFree(dmap), cudaFree(dout), cudaFree(dall);
 }
 
-TEST(gelu_mul_matches_cpu) {
-    int rows = 19, mlp = 4097;
+static void gelu_mul_case(int rows, int mlp) {
     size_t n = (size_t)rows * 2 * mlp;
     float *in = malloc(n * 4), *gate = malloc((size_t)rows * mlp * 4), *up = malloc((size_t)rows * mlp * 4);
     fill_uniform(in, n, 4.0f);
@@ -86,9 +85,16 @@ TEST(gelu_mul_matches_cpu) {
     CUDA_OK(pi0_cuda_gelu_mul(dout, din, rows, mlp, 0));
     CUDA_OK(cudaDeviceSynchronize());
     float *got = download_bf16(dout, (size_t)rows * mlp);
-    CHECK(rel_error(got, gate, (size_t)rows * mlp) <= TOL_BF16_OUT, "gelu_mul: %.3g", rel_error(got, gate, (size_t)rows * mlp));
+    CHECK(rel_error(got, gate, (size_t)rows * mlp) <= TOL_BF16_OUT, "gelu_mul %d x %d: %.3g", rows, mlp,
+          rel_error(got, gate, (size_t)rows * mlp));
     free(in), free(gate), free(up), free(bits), free(got);
     cudaFree(din), cudaFree(dout);
+}
+
+TEST(gelu_mul_matches_cpu) {
+    gelu_mul_case(19, 4097); /* an odd count: one output a thread */
+    gelu_mul_case(7, 1030);  /* a multiple of 4 (7 x 1030) across rows: four a thread, rows straddling vectors */
+    gelu_mul_case(3, 16384); /* Pi0's mlp dim */
 }
 
 static void rope_case(int rows, int heads, int kv_heads, int hd) {

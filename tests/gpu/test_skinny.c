@@ -2,8 +2,9 @@
  * test_skinny.c - the skinny Linears (src/cuda/skinny.cu) against a double-precision loop over the
  * same bf16 operands, on fresh random inputs: every epilogue, with and without the fused RMSNorm,
  * Pi0's expert shapes and awkward ones (row counts around the 16-row tile, column counts that are
- * not multiples of the block's tile, k not a multiple of the 32-wide chunk), plus repeatability,
- * untouched memory past the outputs, and the arguments it must refuse.
+ * not multiples of the block's tile, k not a multiple of the 32-wide chunk), the fused RoPE and K/V
+ * cache writes against the CPU's RoPE, plus repeatability, untouched memory past the outputs, and the
+ * arguments it must refuse.
  */
 #include "cpu/ops.h"
 #include "cuda/skinny.h"
@@ -111,6 +112,92 @@ TEST(awkward_shapes) {
     }
 }
 
+/* SKINNY_ROPE_QKV: q to out, k and v to cache rows 2i + 1 of a (2m + 2)-row cache (the rows between
+ * must stay untouched, as must out's k and v columns), against the product in double followed by the
+ * CPU backend's RoPE at random positions. */
+static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_norm) {
+    const int n = (heads + 2 * kv_heads) * hd, q_dim = heads * hd, kv_dim = kv_heads * hd, max_pos = 1000;
+    const int cache_n = 2 * m + 2;
+    float *x = malloc((size_t)m * k * 4), *w = malloc((size_t)n * k * 4), *ref = malloc((size_t)m * n * 4);
+    fill_uniform(x, (size_t)m * k, rms_norm ? 6.0f : 1.0f);
+    fill_uniform(w, (size_t)n * k, 1.0f / sqrtf((float)k));
+    uint16_t *xb = to_bf16_rounding(x, (size_t)m * k), *wb = to_bf16_rounding(w, (size_t)n * k);
+    int *pos = malloc(sizeof(int) * m), *rows = malloc(sizeof(int) * m);
+    for (int i = 0; i < m; i++) pos[i] = (int)((gpu_uniform() + 1) * 0.5f * (max_pos - 1)), rows[i] = 2 * i + 1;
+    for (int i = 0; i < m; i++) {
+        double ss = 0, scale = 1;
+        for (int t = 0; t < k; t++) ss += (double)x[(size_t)i * k + t] * x[(size_t)i * k + t];
+        if (rms_norm) scale = 1 / sqrt(ss / k + 1e-6);
+        for (int j = 0; j < n; j++) {
+            double acc = 0;
+            for (int t = 0; t < k; t++) acc += (double)x[(size_t)i * k + t] * w[(size_t)j * k + t];
+            ref[(size_t)i * n + j] = (float)(acc * scale);
+        }
+    }
+    cpu_rope_table table = {0};
+    REQUIRE(cpu_rope_table_init(&table, max_pos, hd) == 0, "rope table");
+    cpu_rope(ref, m, n, heads, hd, pos, &table);
+    cpu_rope(ref + q_dim, m, n, kv_heads, hd, pos, &table);
+
+    pi0_bf16 *dx = dev_upload(xb, (size_t)m * k * 2), *dw = dev_upload(wb, (size_t)n * k * 2);
+    pi0_bf16 *dout = dev_poisoned(((size_t)m * n + GUARD) * 2);
+    pi0_bf16 *dk = dev_poisoned((size_t)cache_n * kv_dim * 2), *dv = dev_poisoned((size_t)cache_n * kv_dim * 2);
+    int *dpos = dev_upload(pos, sizeof(int) * m), *drows = dev_upload(rows, sizeof(int) * m);
+    float *dcos = dev_upload(table.cos, sizeof(float) * max_pos * (hd / 2));
+    float *dsin = dev_upload(table.sin, sizeof(float) * max_pos * (hd / 2));
+    REQUIRE(dx && dw && dout && dk && dv && dpos && drows && dcos && dsin, "device allocation");
+    skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = rms_norm, .eps = 1e-6f,
+                     .epilogue = SKINNY_ROPE_QKV, .out = dout, .heads = heads, .kv_heads = kv_heads, .head_dim = hd,
+                     .positions = dpos, .cache_rows = drows, .rope_cos = dcos, .rope_sin = dsin, .cache_k = dk,
+                     .cache_v = dv};
+    CHECK(pi0_cuda_skinny_supported(&a), "rope case refused");
+    uint16_t *bits[2][3] = {{NULL}};
+    const size_t sizes[3] = {(size_t)m * n + GUARD, (size_t)cache_n * kv_dim, (size_t)cache_n * kv_dim};
+    for (int run = 0; run < 2; run++) {
+        CUDA_OK(pi0_cuda_skinny_linear(&a, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        const void *src[3] = {dout, dk, dv};
+        for (int b = 0; b < 3; b++) {
+            bits[run][b] = malloc(sizes[b] * 2);
+            CUDA_OK(cudaMemcpy(bits[run][b], src[b], sizes[b] * 2, cudaMemcpyDeviceToHost));
+        }
+    }
+    /* gather what was written next to the oracle's rows */
+    float *got = malloc((size_t)m * n * 4);
+    int untouched = 1;
+    for (int i = 0; i < m; i++) {
+        for (int j = 0; j < q_dim; j++) got[(size_t)i * n + j] = bf16_value(bits[0][0][(size_t)i * n + j]);
+        for (int j = 0; j < kv_dim; j++) {
+            got[(size_t)i * n + q_dim + j] = bf16_value(bits[0][1][(size_t)rows[i] * kv_dim + j]);
+            got[(size_t)i * n + q_dim + kv_dim + j] = bf16_value(bits[0][2][(size_t)rows[i] * kv_dim + j]);
+        }
+        untouched &= poisoned_bf16(bits[0][0] + (size_t)i * n + q_dim, 2 * kv_dim);
+        untouched &= poisoned_bf16(bits[0][1] + (size_t)2 * i * kv_dim, kv_dim) && poisoned_bf16(bits[0][2] + (size_t)2 * i * kv_dim, kv_dim);
+    }
+    double e = rel_error(got, ref, (size_t)m * n);
+    CHECK(e <= 1e-2, "rope m %d heads %d/%d hd %d k %d norm %d: error %.3g", m, heads, kv_heads, hd, k, rms_norm, e);
+    CHECK(untouched && poisoned_bf16(bits[0][0] + (size_t)m * n, GUARD),
+          "rope m %d hd %d k %d: wrote outside q and the rows' cache rows", m, hd, k);
+    for (int b = 0; b < 3; b++)
+        CHECK(!memcmp(bits[0][b], bits[1][b], sizes[b] * 2), "rope m %d hd %d k %d: two runs differ", m, hd, k);
+    for (int run = 0; run < 2; run++)
+        for (int b = 0; b < 3; b++) free(bits[run][b]);
+    cpu_rope_table_free(&table);
+    free(x), free(w), free(ref), free(xb), free(wb), free(pos), free(rows), free(got);
+    cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(dk), cudaFree(dv), cudaFree(dpos), cudaFree(drows);
+    cudaFree(dcos), cudaFree(dsin);
+}
+
+TEST(rope_qkv) {
+    rope_case(11, 8, 1, 256, 1024, 1); /* Pi0's expert QKV at batch 1 */
+    const int rows[] = {1, 9, 17, 40};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        rope_case(rows[i], 3, 1, 32, 40, 0);   /* k below two chunks, with a tail */
+        rope_case(rows[i], 2, 2, 16, 264, 1);  /* several kv heads, the smallest head */
+        rope_case(rows[i], 4, 1, 48, 2056, 1); /* 3 blocks a head, 16 warps, k tail */
+    }
+}
+
 TEST(refuses_what_it_cannot_run) {
     pi0_bf16 *buf = dev_upload(NULL, 1 << 20);
     float *res = dev_upload(NULL, 1 << 20);
@@ -127,6 +214,8 @@ TEST(refuses_what_it_cannot_run) {
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "odd n with gelu x up accepted");
     bad = ok, bad.epilogue = SKINNY_RESIDUAL, bad.residual_bf16 = NULL;
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "residual without its bf16 copy accepted");
+    bad = ok, bad.epilogue = SKINNY_ROPE_QKV, bad.heads = 1, bad.kv_heads = 1, bad.head_dim = 16;
+    CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "rope without its tables and caches accepted");
     bad = ok, bad.epilogue = 7;
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "unknown epilogue accepted");
     bad = ok, bad.m = 0;
@@ -141,6 +230,7 @@ int main(int argc, char **argv) {
     gpu_seed();
     RUN(pi0_expert_shapes);
     RUN(awkward_shapes);
+    RUN(rope_qkv);
     RUN(refuses_what_it_cannot_run);
     return check_finish();
 }
