@@ -31,27 +31,88 @@ static __device__ float block_sum(float v) {
     return v;
 }
 
+/* Rows of up to 4 * NORM_VEC * NORM_THREADS floats (Pi0's 1152, 2048 and 1024) are normalized from
+ * registers: one float4 load per element group, the statistics from the registers, one 8-byte store
+ * per 4 outputs (a global round trip, not three passes over the row). Other rows loop over memory. */
+#define NORM_VEC 2
+
+static int norm_in_registers(int dim, const void *in, const void *out, const float *w, const float *b) {
+    return dim % 4 == 0 && dim <= 4 * NORM_VEC * NORM_THREADS && (uintptr_t)in % 16 == 0 && (uintptr_t)out % 8 == 0 &&
+           (uintptr_t)w % 16 == 0 && (uintptr_t)b % 16 == 0;
+}
+
+/* This thread's float4 groups of the row (zeros past its end). */
+static __device__ __forceinline__ void load_row(float4 (&v)[NORM_VEC], const float *x, int dim) {
+#pragma unroll
+    for (int q = 0; q < NORM_VEC; q++) {
+        int i = threadIdx.x + q * NORM_THREADS;
+        v[q] = i < dim / 4 ? reinterpret_cast<const float4 *>(x)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+/* out[4i..4i+3] = (v - shift) * scale * (w_add + w) + b for this thread's groups (w, b may be NULL). */
+static __device__ __forceinline__ void store_row(__nv_bfloat16 *out, const float4 (&v)[NORM_VEC], int dim, float shift,
+                                                 float scale, const float *w, float w_add, const float *b) {
+#pragma unroll
+    for (int q = 0; q < NORM_VEC; q++) {
+        int i = threadIdx.x + q * NORM_THREADS;
+        if (i >= dim / 4) continue;
+        float4 g = w ? reinterpret_cast<const float4 *>(w)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 o = b ? reinterpret_cast<const float4 *>(b)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        uint2 r;
+        r.x = pack_bf16((v[q].x - shift) * scale * (w_add + g.x) + o.x, (v[q].y - shift) * scale * (w_add + g.y) + o.y);
+        r.y = pack_bf16((v[q].z - shift) * scale * (w_add + g.z) + o.z, (v[q].w - shift) * scale * (w_add + g.w) + o.w);
+        reinterpret_cast<uint2 *>(out)[i] = r;
+    }
+}
+
 static __global__ void layernorm_kernel(__nv_bfloat16 *out, const float *in, int dim, const float *w, const float *b,
-                                        float eps) {
+                                        float eps, int in_registers) {
     const float *x = in + (size_t)blockIdx.x * dim;
+    out += (size_t)blockIdx.x * dim;
+    if (in_registers) {
+        float4 v[NORM_VEC];
+        load_row(v, x, dim);
+        float sum = 0;
+#pragma unroll
+        for (int q = 0; q < NORM_VEC; q++) sum += v[q].x + v[q].y + v[q].z + v[q].w;
+        float mean = block_sum(sum) / (float)dim, sq = 0;
+#pragma unroll
+        for (int q = 0; q < NORM_VEC; q++) {
+            if (threadIdx.x + q * NORM_THREADS >= dim / 4) continue; /* the zero padding is not x - mean */
+            float4 d = make_float4(v[q].x - mean, v[q].y - mean, v[q].z - mean, v[q].w - mean);
+            sq += d.x * d.x + d.y * d.y + d.z * d.z + d.w * d.w;
+        }
+        store_row(out, v, dim, mean, rsqrtf(block_sum(sq) / (float)dim + eps), w, 0.0f, b);
+        return;
+    }
     float sum = 0;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) sum += x[j];
     float mean = block_sum(sum) / (float)dim, sq = 0;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) sq += (x[j] - mean) * (x[j] - mean);
     float inv = rsqrtf(block_sum(sq) / (float)dim + eps);
-    for (int j = threadIdx.x; j < dim; j += blockDim.x)
-        out[(size_t)blockIdx.x * dim + j] = __float2bfloat16((x[j] - mean) * inv * w[j] + b[j]);
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) out[j] = __float2bfloat16((x[j] - mean) * inv * w[j] + b[j]);
 }
 
+/* RMSNorm with Gemma's (1 + w); w NULL: a factor of 1 (the weight folded into the next Linear). */
 static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const int *in_rows, int dim, const float *w,
-                                      float eps) {
+                                      float eps, int in_registers) {
     int row = in_rows ? in_rows[blockIdx.x] : (int)blockIdx.x;
     const float *x = in + (size_t)row * dim;
+    out += (size_t)blockIdx.x * dim;
+    if (in_registers) {
+        float4 v[NORM_VEC];
+        load_row(v, x, dim);
+        float sq = 0;
+#pragma unroll
+        for (int q = 0; q < NORM_VEC; q++) sq += v[q].x * v[q].x + v[q].y * v[q].y + v[q].z * v[q].z + v[q].w * v[q].w;
+        store_row(out, v, dim, 0.0f, rsqrtf(block_sum(sq) / (float)dim + eps), w, 1.0f, NULL);
+        return;
+    }
     float sq = 0;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) sq += x[j] * x[j];
     float inv = rsqrtf(block_sum(sq) / (float)dim + eps);
-    for (int j = threadIdx.x; j < dim; j += blockDim.x)
-        out[(size_t)blockIdx.x * dim + j] = __float2bfloat16(x[j] * inv * (w ? 1.0f + w[j] : 1.0f));
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) out[j] = __float2bfloat16(x[j] * inv * (w ? 1.0f + w[j] : 1.0f));
 }
 
 /* out[i] = gelu(in[2i]) * in[2i + 1]: the gate|up rows are interleaved (gate_j, up_j), so output i of
@@ -178,13 +239,17 @@ extern "C" {
 
 cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim, const float *w, const float *b,
                                float eps, cudaStream_t stream) {
-    if (rows > 0) layernorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, dim, w, b, eps);
+    if (rows > 0)
+        layernorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, dim, w, b, eps,
+                                                           norm_in_registers(dim, in, out, w, b));
     return cudaGetLastError();
 }
 
 cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *w,
                              float eps, cudaStream_t stream) {
-    if (rows > 0) rmsnorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, in_rows, dim, w, eps);
+    if (rows > 0)
+        rmsnorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, in_rows, dim, w, eps,
+                                                         norm_in_registers(dim, in, out, w, NULL));
     return cudaGetLastError();
 }
 

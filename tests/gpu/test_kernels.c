@@ -12,7 +12,8 @@
 #define TOL_BF16_OUT 1e-2
 
 TEST(layernorm_matches_cpu) {
-    const int shapes[][2] = {{1, 64}, {7, 1152}, {513, 1000}, {3, 33}};
+    /* rows of up to 2048 floats in fours are normalized from registers, others from memory */
+    const int shapes[][2] = {{1, 64}, {7, 1152}, {513, 1000}, {5, 2048}, {3, 33}, {2, 2052}, {4, 1030}};
     for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
         int rows = shapes[c][0], dim = shapes[c][1];
         size_t n = (size_t)rows * dim;
@@ -32,8 +33,8 @@ TEST(layernorm_matches_cpu) {
     }
 }
 
-TEST(rmsnorm_matches_cpu_with_row_map) {
-    int rows = 37, dim = 1024, out_rows = 20;
+static void rmsnorm_case(int dim) {
+    int rows = 37, out_rows = 20;
     size_t n = (size_t)rows * dim;
     float *x = malloc(n * 4), *w = malloc(dim * 4), *ref = malloc((size_t)out_rows * dim * 4);
     int map[20];
@@ -48,7 +49,7 @@ TEST(rmsnorm_matches_cpu_with_row_map) {
     CUDA_OK(pi0_cuda_rmsnorm(dout, dx, dmap, out_rows, dim, dw, 1e-6f, 0));
     CUDA_OK(cudaDeviceSynchronize());
     float *got = download_bf16(dout, (size_t)out_rows * dim);
-    CHECK(rel_error(got, ref, (size_t)out_rows * dim) <= TOL_BF16_OUT, "mapped rmsnorm: %.3g",
+    CHECK(rel_error(got, ref, (size_t)out_rows * dim) <= TOL_BF16_OUT, "mapped rmsnorm, dim %d: %.3g", dim,
           rel_error(got, ref, (size_t)out_rows * dim));
     /* identity map (NULL) over all rows */
     float *ref_all = malloc(n * 4);
@@ -57,7 +58,7 @@ TEST(rmsnorm_matches_cpu_with_row_map) {
     CUDA_OK(pi0_cuda_rmsnorm(dall, dx, NULL, rows, dim, dw, 1e-6f, 0));
     CUDA_OK(cudaDeviceSynchronize());
     float *got_all = download_bf16(dall, n);
-    CHECK(rel_error(got_all, ref_all, n) <= TOL_BF16_OUT, "rmsnorm: %.3g", rel_error(got_all, ref_all, n));
+    CHECK(rel_error(got_all, ref_all, n) <= TOL_BF16_OUT, "rmsnorm, dim %d: %.3g", dim, rel_error(got_all, ref_all, n));
     /* no weight (folded into the next Linear): the oracle with w = 0, i.e. a factor 1 + 0 */
     float *zero = calloc(dim, 4);
     cpu_rmsnorm(ref_all, x, rows, dim, zero, 1e-6f);
@@ -65,9 +66,17 @@ TEST(rmsnorm_matches_cpu_with_row_map) {
     CUDA_OK(cudaDeviceSynchronize());
     free(got_all);
     got_all = download_bf16(dall, n);
-    CHECK(rel_error(got_all, ref_all, n) <= TOL_BF16_OUT, "rmsnorm without weight: %.3g", rel_error(got_all, ref_all, n));
+    CHECK(rel_error(got_all, ref_all, n) <= TOL_BF16_OUT, "rmsnorm without weight, dim %d: %.3g", dim,
+          rel_error(got_all, ref_all, n));
     free(x), free(w), free(ref), free(got), free(ref_all), free(got_all), free(zero);
     cudaFree(dx), cudaFree(dw), cudaFree(dmap), cudaFree(dout), cudaFree(dall);
+}
+
+TEST(rmsnorm_matches_cpu_with_row_map) {
+    rmsnorm_case(1024); /* the expert's final norm: from registers */
+    rmsnorm_case(2048); /* the LLM's: from registers, two groups a thread */
+    rmsnorm_case(1030); /* not in fours: from memory */
+    rmsnorm_case(2056); /* past the register path's rows */
 }
 
 static void gelu_mul_case(int rows, int mlp) {
