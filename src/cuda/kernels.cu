@@ -50,6 +50,18 @@ static __device__ __forceinline__ void load_row(float4 (&v)[NORM_VEC], const flo
     }
 }
 
+/* The sum over this thread's groups of (v - shift)^2, the zero padding past the row left out. */
+static __device__ __forceinline__ float sum_squares(const float4 (&v)[NORM_VEC], int dim, float shift) {
+    float sq = 0;
+#pragma unroll
+    for (int q = 0; q < NORM_VEC; q++) {
+        if (threadIdx.x + q * NORM_THREADS >= dim / 4) continue;
+        float4 d = make_float4(v[q].x - shift, v[q].y - shift, v[q].z - shift, v[q].w - shift);
+        sq += d.x * d.x + d.y * d.y + d.z * d.z + d.w * d.w;
+    }
+    return sq;
+}
+
 /* out[4i..4i+3] = (v - shift) * scale * (w_add + w) + b for this thread's groups (w, b may be NULL). */
 static __device__ __forceinline__ void store_row(__nv_bfloat16 *out, const float4 (&v)[NORM_VEC], int dim, float shift,
                                                  float scale, const float *w, float w_add, const float *b) {
@@ -76,14 +88,8 @@ static __global__ void layernorm_kernel(__nv_bfloat16 *out, const float *in, int
         float sum = 0;
 #pragma unroll
         for (int q = 0; q < NORM_VEC; q++) sum += v[q].x + v[q].y + v[q].z + v[q].w;
-        float mean = block_sum(sum) / (float)dim, sq = 0;
-#pragma unroll
-        for (int q = 0; q < NORM_VEC; q++) {
-            if (threadIdx.x + q * NORM_THREADS >= dim / 4) continue; /* the zero padding is not x - mean */
-            float4 d = make_float4(v[q].x - mean, v[q].y - mean, v[q].z - mean, v[q].w - mean);
-            sq += d.x * d.x + d.y * d.y + d.z * d.z + d.w * d.w;
-        }
-        store_row(out, v, dim, mean, rsqrtf(block_sum(sq) / (float)dim + eps), w, 0.0f, b);
+        float mean = block_sum(sum) / (float)dim;
+        store_row(out, v, dim, mean, rsqrtf(block_sum(sum_squares(v, dim, mean)) / (float)dim + eps), w, 0.0f, b);
         return;
     }
     float sum = 0;
@@ -103,10 +109,7 @@ static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const
     if (in_registers) {
         float4 v[NORM_VEC];
         load_row(v, x, dim);
-        float sq = 0;
-#pragma unroll
-        for (int q = 0; q < NORM_VEC; q++) sq += v[q].x * v[q].x + v[q].y * v[q].y + v[q].z * v[q].z + v[q].w * v[q].w;
-        store_row(out, v, dim, 0.0f, rsqrtf(block_sum(sq) / (float)dim + eps), w, 1.0f, NULL);
+        store_row(out, v, dim, 0.0f, rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps), w, 1.0f, NULL);
         return;
     }
     float sq = 0;
