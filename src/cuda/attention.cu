@@ -830,10 +830,10 @@ cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_head
     }
     cudaLaunchAttribute attr;
     const dim3 partial_grid(kDecodeBlocks, (unsigned)num_kv_heads, (unsigned)num_segments);
-    cudaLaunchConfig_t cfg = launch_config(partial_grid, dim3(kDecodeThreads), DecodeConfig<HD>::SMEM, stream, 1, &attr);
+    cudaLaunchConfig_t cfg = dependent_launch(partial_grid, dim3(kDecodeThreads), DecodeConfig<HD>::SMEM, stream, &attr);
     if ((e = cudaLaunchKernelEx(&cfg, decode_partial_kernel<HD>, p, ws)) != cudaSuccess) return e;
     const dim3 combine_grid((unsigned)max_rows, (unsigned)num_kv_heads, (unsigned)num_segments);
-    cfg = launch_config(combine_grid, dim3(kDecodeThreads), 0, stream, 1, &attr);
+    cfg = dependent_launch(combine_grid, dim3(kDecodeThreads), 0, stream, &attr);
     return cudaLaunchKernelEx(&cfg, decode_combine_kernel<HD>, p, (const float *)ws);
 }
 

@@ -37,7 +37,7 @@ static __device__ __forceinline__ float gelu_tanh(float x) {
 /*
  * Programmatic dependent launch (sm_90+). A chain of short kernels (a denoise layer at batch 1: ~5 us
  * each) loses ~1-2 us at every boundary to launch and ramp-up. A kernel launched with
- * launch_config(..., pdl = 1) may start while the kernel before it in the stream is still running, as
+ * dependent_launch() may start while the kernel before it in the stream is still running, as
  * soon as that one's blocks have all called pdl_trigger() (or exited); it does what needs nothing from
  * its predecessors (loading weights) and then pdl_wait(), which returns once the predecessor has
  * finished and its writes are visible. Rules for such a kernel: pdl_wait() in every block before
@@ -73,15 +73,17 @@ static inline int pdl_supported(void) {
     return major >= 9;
 }
 
-/* A launch configuration for cudaLaunchKernelEx; `attr` must outlive it. */
-static inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int pdl,
-                                               cudaLaunchAttribute *attr) {
+/* A cudaLaunchKernelEx configuration that launches as a programmatic dependent where the device takes
+ * it (else a plain launch); `attr` must outlive it. Only for kernels that follow the rules above, and
+ * only after kernels of our own: measured after cuBLASLt GEMMs it made the run slower (bench/NOTES.md). */
+static inline cudaLaunchConfig_t dependent_launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                                  cudaLaunchAttribute *attr) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
-    if (pdl && pdl_supported()) {
+    if (pdl_supported()) {
         attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr->val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = attr;

@@ -91,6 +91,22 @@ __device__ __forceinline__ void store_rope(const SkinnyParams &p, int m, int hea
     dst[i + half] = __bfloat16_as_ushort(__float2bfloat16(hi));
 }
 
+/* The RMSNorm factor of block row `row` from the warps' partial sums of squares (1 without the norm). */
+__device__ __forceinline__ float row_scale(const SkinnyParams &p, const float *ss, int warps, int row) {
+    if (!p.rms_norm) return 1.f;
+    float s = 0.f;
+    for (int w = 0; w < warps; w++) s += ss[w * 16 + row];
+    return rsqrtf(s / (float)p.k + p.eps);
+}
+
+/* Block row `row`, column `col` of the product: the warps' partials added in warp order. */
+template <int NC>
+__device__ __forceinline__ float column_total(const float *part, int warps, int row, int col) {
+    float v = 0.f;
+    for (int w = 0; w < warps; w++) v += part[(w * 16 + row) * NC + col];
+    return v;
+}
+
 template <int NT, int C>
 __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 1) skinny_kernel(SkinnyParams p) {
     constexpr int NC = 8 * NT; /* columns of the block */
@@ -182,14 +198,9 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
         for (int e = threadIdx.x; e < 16 * half_cols; e += blockDim.x) {
             const int row = e / half_cols, c = e % half_cols, m = m0 + row;
             if (m >= p.m) continue;
-            float s = 0.f, lo = 0.f, hi = 0.f;
-            for (int w = 0; w < warps; w++) {
-                if (p.rms_norm) s += ss[w * 16 + row];
-                lo += smem[(w * 16 + row) * NC + c];
-                hi += smem[(w * 16 + row) * NC + c + half_cols];
-            }
-            const float scale = p.rms_norm ? rsqrtf(s / (float)p.k + p.eps) : 1.f;
-            store_rope(p, m, head, i0 + c, lo * scale, hi * scale);
+            const float scale = row_scale(p, ss, warps, row);
+            store_rope(p, m, head, i0 + c, column_total<NC>(smem, warps, row, c) * scale,
+                       column_total<NC>(smem, warps, row, c + half_cols) * scale);
         }
         return;
     }
@@ -198,18 +209,9 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
     for (int e = threadIdx.x; e < 16 * per_row; e += blockDim.x) {
         const int row = e / per_row, col = (e % per_row) << pairs, m = m0 + row, n = n0 + col;
         if (m >= p.m || n >= p.n) continue;
-        float scale = 1.f;
-        if (p.rms_norm) {
-            float s = 0.f;
-            for (int w = 0; w < warps; w++) s += ss[w * 16 + row];
-            scale = rsqrtf(s / (float)p.k + p.eps);
-        }
-        float v0 = 0.f, v1 = 0.f;
-        for (int w = 0; w < warps; w++) {
-            v0 += smem[(w * 16 + row) * NC + col];
-            if (pairs) v1 += smem[(w * 16 + row) * NC + col + 1];
-        }
-        v0 *= scale;
+        const float scale = row_scale(p, ss, warps, row);
+        const float v0 = column_total<NC>(smem, warps, row, col) * scale;
+        const float v1 = pairs ? column_total<NC>(smem, warps, row, col + 1) : 0.f;
         if (p.epilogue == SKINNY_STORE) {
             p.out[(size_t)m * p.n + n] = __bfloat16_as_ushort(__float2bfloat16(v0));
         } else if (pairs) {
@@ -250,7 +252,7 @@ cudaError_t launch(const SkinnyParams &p, int warps, cudaStream_t stream) {
     const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 15) / 16));
     const size_t smem = (size_t)warps * 16 * (8 * NT + 1) * sizeof(float);
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = launch_config(grid, dim3((unsigned)warps * 32), smem, stream, 1, &attr);
+    const cudaLaunchConfig_t cfg = dependent_launch(grid, dim3((unsigned)warps * 32), smem, stream, &attr);
     return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, C>, p);
 }
 
