@@ -1,6 +1,7 @@
 # pi0 - build the library (static + shared), the `pi0` command and the tests.
 #
 #   make            build/libpi0.a, build/libpi0.so, build/pi0
+#   make deps       install what the build and the tests need (Debian packages, PyPI packages)
 #   make run        the main job: `pi0 bench` on built-in random weights of the real size
 #   make test       every CPU test (and a compile of every CUDA source when nvcc is present)
 #   make test-asan  the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer
@@ -9,9 +10,26 @@
 # Dependencies: OpenBLAS (GEMMs) and jansson (JSON), found through pkg-config; override
 # BLAS_CFLAGS/BLAS_LIBS/JSON_CFLAGS/JSON_LIBS to point elsewhere. CUDA is used when nvcc is found.
 # The server side (`pi0 infer`, `pi0 serve`) needs msgpack-c and libwebsockets; without them the
-# library and the other commands still build.
+# library and the other commands still build (WITH_SERVER= leaves them out on purpose).
+#
+# The configuration (compilers, flags, which optional parts are in) is recorded in build/config.txt
+# and every object depends on that file, which is rewritten only when the configuration changes: a
+# library installed, CFLAGS=..., WITH_SERVER= all rebuild what they affect, and nothing else.
 
 BUILD ?= build
+
+# `make deps GOAL...`: what `deps` installs changes the configuration, and one make decides its
+# configuration before it runs any recipe. So the other goals run in a second make once deps is done.
+GOALS_AFTER_DEPS := $(filter-out deps,$(MAKECMDGOALS))
+ifneq ($(and $(filter deps,$(MAKECMDGOALS)),$(GOALS_AFTER_DEPS)),)
+FIRST_GOAL := $(firstword $(GOALS_AFTER_DEPS))
+.PHONY: $(GOALS_AFTER_DEPS)
+$(FIRST_GOAL): deps
+	@$(MAKE) --no-print-directory $(GOALS_AFTER_DEPS)
+$(filter-out $(FIRST_GOAL),$(GOALS_AFTER_DEPS)): $(FIRST_GOAL)
+	@:
+else
+
 CC ?= cc
 OPT ?= -O2
 SANITIZE ?=
@@ -29,7 +47,7 @@ LDLIBS_ALL = $(BLAS_LIBS) $(JSON_LIBS) -fopenmp -lm -lpthread $(SANITIZE) $(LDLI
 # The wire format, the policy, the server and their commands: only with msgpack-c and libwebsockets.
 SERVER_LIB_SRC = $(wildcard src/io/msgpack_numpy.c src/policy/policy.c src/server/*.c)
 SERVER_CLI_SRC = $(wildcard cli/infer.c cli/serve.c)
-SERVER_TEST_SRC = $(wildcard tests/test_msgpack_numpy.c tests/test_policy.c tests/test_infer.c tests/test_server.c)
+SERVER_TEST_SRC = $(wildcard tests/test_msgpack_numpy.c tests/test_policy.c tests/test_infer.c)
 SERVER_TOOL_SRC = $(wildcard tests/msgpack_tool.c)
 WITH_SERVER ?= $(shell $(PKG_CONFIG) --exists msgpack libwebsockets 2>/dev/null && echo 1)
 SERVER_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags msgpack libwebsockets 2>/dev/null)
@@ -72,17 +90,33 @@ LIB_OBJ = $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(WITH_CUDA),$(CUDA_SRC:%.cu=$(BUILD)
 CLI_OBJ = $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_BIN = $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 TOOL_BIN = $(patsubst tests/%.c,$(BUILD)/tests/%,$(TOOL_SRC))
+CONFIG = $(BUILD)/config.txt
 
-.PHONY: all run test test-asan test-gpu deps clean
+.PHONY: all run test test-asan test-gpu deps clean FORCE
 all: $(BUILD)/libpi0.a $(BUILD)/libpi0.so $(BUILD)/pi0
 
-$(BUILD)/%.o: %.c
+# What a build was made with; rewritten only when it changes, so that depending on it is cheap.
+CONFIG_TEXT = CC=$(CC) | CFLAGS=$(CFLAGS_ALL) | LDLIBS=$(LDLIBS_ALL) | WITH_SERVER=$(WITH_SERVER) | \
+              WITH_CUDA=$(WITH_CUDA) | NVCC=$(NVCC) | NVCCFLAGS=$(NVCCFLAGS)
+$(CONFIG): FORCE
+	@mkdir -p $(dir $@)
+	@printf '%s\n' '$(subst ','\'',$(CONFIG_TEXT))' | tr '|' '\n' | sed 's/^ *//; s/ *$$//' > $@.new
+	@if cmp -s $@.new $@; then rm -f $@.new; else mv $@.new $@; $(report_optional_parts); fi
+
+# Said once per configuration: which optional parts are left out, and how to get them.
+report_optional_parts = \
+	$(if $(filter 1,$(WITH_SERVER)),,echo "pi0: building without pi0 infer/serve: $(if $(filter command line,$(origin \
+WITH_SERVER)),WITH_SERVER=$(WITH_SERVER) was given,msgpack-c and libwebsockets not found (install them with 'make deps', \
+or 'sudo apt-get install libmsgpack-dev libwebsockets-dev'))";) \
+	$(if $(WITH_CUDA),,echo "pi0: building the CPU backend only: nvcc (CUDA toolkit 12+) not found on PATH";) true
+
+$(BUILD)/%.o: %.c $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_ALL) -MMD -MP -c $< -o $@
 
-$(BUILD)/%.cu.o: %.cu
+$(BUILD)/%.cu.o: %.cu $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/libpi0.a: $(LIB_OBJ)
 	@rm -f $@
@@ -94,26 +128,23 @@ $(BUILD)/libpi0.so: $(LIB_OBJ)
 $(BUILD)/pi0: $(CLI_OBJ) $(BUILD)/libpi0.a
 	$(CC) -o $@ $^ $(LDLIBS_ALL)
 
-$(BUILD)/bench/%: bench/%.c $(BUILD)/libpi0.a
+$(BUILD)/bench/%: bench/%.c $(BUILD)/libpi0.a $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_ALL) -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -MMD -MP -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
 
-$(BUILD)/tests/gpu/%: tests/gpu/%.c $(BUILD)/libpi0.a tests/check.h
+$(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
-
-$(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a tests/check.h tests/cli_run.h
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_ALL) -Itests -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Itests -MMD -MP -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
 
 run: $(BUILD)/pi0
 	$(BUILD)/pi0 bench
 
 # The GPU tests are built here too (so a CPU-only machine with nvcc still compiles every CUDA
-# source and GPU test), but only run by test-gpu.
+# source and GPU test), but only run by test-gpu. server.sh always runs: in a build without the
+# server it reports itself skipped, never passed.
 test: $(TEST_BIN) $(GPU_TEST_BIN) $(LAB_BIN) $(TOOL_BIN) $(BUILD)/pi0
 	PI0_BIN=$(BUILD)/pi0 PI0_TOOLS=$(BUILD)/tests PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(TEST_BIN) tests/crosscheck.sh \
-	  $(if $(filter 1,$(WITH_SERVER)),tests/server.sh)
+	  tests/server.sh
 
 test-gpu: $(GPU_TEST_BIN) $(LAB_BIN) $(BUILD)/pi0
 	@test -n "$(GPU_TEST_BIN)" || { echo "test-gpu needs nvcc (CUDA toolkit) at build time"; exit 1; }
@@ -122,23 +153,28 @@ test-gpu: $(GPU_TEST_BIN) $(LAB_BIN) $(BUILD)/pi0
 test-asan:
 	$(MAKE) BUILD=build-asan OPT=-O1 SANITIZE="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
 
-# Installs what the build and the tests need: Debian packages (when missing) and PyPI packages the
-# cross-checks against the reference libraries use. Uses sudo when not root.
-APT_PACKAGES = build-essential pkg-config libopenblas-openmp-dev libjansson-dev libmsgpack-dev libwebsockets-dev \
-               python3-pip
-# openpi-client pins numpy<2 although the modules the tests use (msgpack_numpy, websocket_client_policy)
-# work with numpy 2: it is installed without its dependencies, which are listed here instead.
-PIP_PACKAGES = numpy sentencepiece pillow msgpack websockets typing_extensions
-SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-deps:
-	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES); }
-	@python3 -c "import numpy, sentencepiece, PIL, msgpack, openpi_client.msgpack_numpy, openpi_client.websocket_client_policy" 2>/dev/null || \
-	  { python3 -m pip install -q $(PIP_PACKAGES) && python3 -m pip install -q --no-deps openpi-client; } || \
-	  { python3 -m pip install -q --break-system-packages $(PIP_PACKAGES) && \
-	    python3 -m pip install -q --break-system-packages --no-deps openpi-client; }
-
 clean:
 	rm -rf build build-asan
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d)
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_BIN:=.d) $(TOOL_BIN:=.d) $(GPU_TEST_BIN:=.d) $(LAB_BIN:=.d)
+endif
+
+# Installs what the build and the tests need: the Debian packages (when missing; with sudo when not
+# root) and the PyPI packages of tests/requirements.txt, the reference libraries the cross-checks
+# compare against, at the versions CI tests with.
+APT_PACKAGES = build-essential pkg-config libopenblas-openmp-dev libjansson-dev libmsgpack-dev libwebsockets-dev \
+               python3-pip
+PIP_IMPORTS = numpy, sentencepiece, google.protobuf, PIL, msgpack, websockets, openpi_client.msgpack_numpy, \
+              openpi_client.websocket_client_policy
+# openpi-client pins numpy<2 although the modules the tests use (msgpack_numpy, websocket_client_policy)
+# work with numpy 2: it is installed without its dependencies, which tests/requirements.txt lists.
+OPENPI_CLIENT = openpi-client==0.1.2
+SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PIP = python3 -m pip install -q --disable-pip-version-check
+deps:
+	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES); }
+	@python3 -c "import $(PIP_IMPORTS)" 2>/dev/null || \
+	  { $(PIP) -r tests/requirements.txt && $(PIP) --no-deps $(OPENPI_CLIENT); } || \
+	  { $(PIP) --break-system-packages -r tests/requirements.txt && $(PIP) --break-system-packages --no-deps $(OPENPI_CLIENT); }
+	@python3 -c "import $(PIP_IMPORTS)" || { echo "make deps: the Python packages above did not install"; exit 1; }

@@ -1,7 +1,8 @@
 /*
  * check.h - the test harness: each tests/test_*.c is one program of TEST functions run by RUN in
- * main(); a TEST passes when none of its CHECKs failed. The program prints one line per test and
- * ends with "N passed, N failed"; tests/run.sh adds the counts of every program up.
+ * main(); a TEST passes when none of its CHECKs failed, and is skipped (never passed) when it calls
+ * SKIP because something it needs is absent. The program prints one line per test ("ok", "FAIL" or
+ * "skip NAME: why") and ends with "N passed, N failed, N skipped"; tests/run.sh adds them all up.
  */
 #ifndef PI0_TESTS_CHECK_H
 #define PI0_TESTS_CHECK_H
@@ -12,7 +13,8 @@
 #include <string.h>
 #include <unistd.h>
 
-static int check_test_failed, check_passed, check_failed;
+static int check_test_failed, check_passed, check_failed, check_skipped;
+static char check_skip_reason[256];
 static const char *check_filter;
 
 #define CHECK(cond, ...)                                                                   \
@@ -32,6 +34,14 @@ static const char *check_filter;
         if (check_test_failed) return;                                                     \
     } while (0)
 
+/* Leaves the test as skipped, saying why: for a test whose prerequisite is absent (an opt-out
+ * variable, a library this build lacks). Reported as "skip", counted apart, never as passed. */
+#define SKIP(...)                                                                          \
+    do {                                                                                   \
+        snprintf(check_skip_reason, sizeof check_skip_reason, __VA_ARGS__);                \
+        return;                                                                            \
+    } while (0)
+
 /* Declares a test: TEST(name) { ... CHECK(...); } */
 #define TEST(name) static void name(void)
 
@@ -40,12 +50,20 @@ static const char *check_filter;
 static inline void check_run(const char *name, void (*fn)(void)) {
     if (check_filter && !strstr(name, check_filter)) return;
     check_test_failed = 0;
+    check_skip_reason[0] = 0;
     fprintf(stderr, "test %s ...\n", name);
     fn();
-    printf("%s %s\n", check_test_failed ? "FAIL" : "ok  ", name);
+    if (check_test_failed) {
+        printf("FAIL %s\n", name);
+        check_failed++;
+    } else if (check_skip_reason[0]) {
+        printf("skip %s: %s\n", name, check_skip_reason);
+        check_skipped++;
+    } else {
+        printf("ok   %s\n", name);
+        check_passed++;
+    }
     fflush(stdout);
-    if (check_test_failed) check_failed++;
-    else check_passed++;
 }
 
 /* argv[1], when given, selects the tests whose name contains it. */
@@ -54,7 +72,7 @@ static inline void check_init(int argc, char **argv) {
 }
 
 static inline int check_finish(void) {
-    printf("%d passed, %d failed\n", check_passed, check_failed);
+    printf("%d passed, %d failed, %d skipped\n", check_passed, check_failed, check_skipped);
     return check_failed ? 1 : 0;
 }
 

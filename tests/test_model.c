@@ -484,10 +484,7 @@ TEST(random_weights_deterministic_and_saveable) {
 
 /* The real size: random weights, one inference with the seed workload's shape, finite actions. */
 TEST(full_size_random_inference) {
-    if (getenv("PI0_SKIP_FULL_SIZE")) {
-        fprintf(stderr, "  skipped: PI0_SKIP_FULL_SIZE is set\n");
-        return;
-    }
+    if (getenv("PI0_SKIP_FULL_SIZE")) SKIP("PI0_SKIP_FULL_SIZE is set");
     pi0_dims dims = pi0_dims_pi0();
     pi0_model *m = NULL;
     pi0_error err = {0};
