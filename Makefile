@@ -17,6 +17,8 @@
 # library installed, CFLAGS=..., WITH_SERVER= all rebuild what they affect, and nothing else.
 
 BUILD ?= build
+VERSION = 0.5.0
+VERSION_MAJOR = 0
 
 # `make deps GOAL...`: what `deps` installs changes the configuration, and one make decides its
 # configuration before it runs any recipe. So the other goals run in a second make once deps is done.
@@ -40,31 +42,30 @@ BLAS_LIBS ?= $(shell $(PKG_CONFIG) --libs openblas 2>/dev/null || echo -lopenbla
 JSON_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags jansson 2>/dev/null)
 JSON_LIBS ?= $(shell $(PKG_CONFIG) --libs jansson 2>/dev/null || echo -ljansson)
 
-CFLAGS_ALL = -std=c11 $(OPT) -g -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -fPIC -fopenmp \
+# Hidden visibility: libpi0.so exports the PI0_API functions of include/ and nothing else.
+CFLAGS_ALL = -std=c11 $(OPT) -g -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -fPIC -fvisibility=hidden -fopenmp \
              -D_GNU_SOURCE -Iinclude -Isrc $(BLAS_CFLAGS) $(JSON_CFLAGS) $(SANITIZE) $(CFLAGS)
 LDLIBS_ALL = $(BLAS_LIBS) $(JSON_LIBS) -fopenmp -lm -lpthread $(SANITIZE) $(LDLIBS)
 
-# The wire format, the policy, the server and their commands: only with msgpack-c and libwebsockets.
-SERVER_LIB_SRC = $(wildcard src/io/msgpack_numpy.c src/policy/policy.c src/server/*.c)
+# The server side: openpi's wire format, the server and the commands that read msgpack; only with
+# msgpack-c and libwebsockets. The policy (src/policy/) is always in the library.
+SERVER_LIB_SRC = $(wildcard src/server/*.c)
 SERVER_CLI_SRC = $(wildcard cli/infer.c cli/serve.c)
-SERVER_TEST_SRC = $(wildcard tests/test_msgpack_numpy.c tests/test_policy.c tests/test_infer.c)
+SERVER_TEST_SRC = $(wildcard tests/test_msgpack_numpy.c tests/test_infer.c)
 SERVER_TOOL_SRC = $(wildcard tests/msgpack_tool.c)
 WITH_SERVER ?= $(shell $(PKG_CONFIG) --exists msgpack libwebsockets 2>/dev/null && echo 1)
 SERVER_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags msgpack libwebsockets 2>/dev/null)
 SERVER_LIBS ?= $(shell $(PKG_CONFIG) --libs msgpack libwebsockets 2>/dev/null || echo -lmsgpackc -lwebsockets)
 
-LIB_SRC = $(filter-out $(SERVER_LIB_SRC),$(wildcard src/*.c src/util/*.c src/io/*.c src/model/*.c src/cpu/*.c \
-          src/policy/*.c src/server/*.c))
+LIB_SRC = $(wildcard src/*.c src/util/*.c src/io/*.c src/model/*.c src/cpu/*.c src/policy/*.c)
 CLI_SRC = $(filter-out $(SERVER_CLI_SRC),$(wildcard cli/*.c))
 TEST_SRC = $(filter-out $(SERVER_TEST_SRC),$(wildcard tests/test_*.c))
 TOOL_SRC = $(filter-out $(SERVER_TOOL_SRC),$(wildcard tests/*_tool.c))
 ifeq ($(WITH_SERVER),1)
-LIB_SRC += $(SERVER_LIB_SRC)
 CLI_SRC += $(SERVER_CLI_SRC)
 TEST_SRC += $(SERVER_TEST_SRC)
 TOOL_SRC += $(SERVER_TOOL_SRC)
 CFLAGS_ALL += -DPI0_WITH_SERVER $(SERVER_CFLAGS)
-LDLIBS_ALL += $(SERVER_LIBS)
 endif
 
 # --- CUDA (optional) ----------------------------------------------------------------------------
@@ -81,18 +82,23 @@ CFLAGS_ALL += -DPI0_WITH_CUDA -isystem $(CUDA_HOME)/include
 LDLIBS_ALL += -L$(CUDA_HOME)/lib64 -lcublasLt -lcudart -lstdc++
 GPU_TEST_BIN = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
 LAB_BIN = $(BUILD)/bench/layer_lab
-NVCCFLAGS = -O3 -std=c++17 $(CUDA_ARCHS) -Xcompiler -fPIC -Iinclude -Isrc --expt-relaxed-constexpr \
+NVCCFLAGS = -O3 -std=c++17 $(CUDA_ARCHS) -Xcompiler -fPIC,-fvisibility=hidden -Iinclude -Isrc --expt-relaxed-constexpr \
             -Werror all-warnings
 endif
 endif
 
 LIB_OBJ = $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(WITH_CUDA),$(CUDA_SRC:%.cu=$(BUILD)/%.cu.o))
 CLI_OBJ = $(CLI_SRC:%.c=$(BUILD)/%.o)
+# The server side is part of the `pi0` program (and its tests), not of libpi0: the library needs
+# neither msgpack-c nor libwebsockets.
+SERVER_OBJ = $(if $(filter 1,$(WITH_SERVER)),$(SERVER_LIB_SRC:%.c=$(BUILD)/%.o))
+SERVER_ARCHIVE = $(if $(SERVER_OBJ),$(BUILD)/libpi0_server.a)
+PROGRAM_LIBS = $(SERVER_ARCHIVE) $(BUILD)/libpi0.a $(LDLIBS_ALL) $(if $(SERVER_OBJ),$(SERVER_LIBS))
 TEST_BIN = $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 TOOL_BIN = $(patsubst tests/%.c,$(BUILD)/tests/%,$(TOOL_SRC))
 CONFIG = $(BUILD)/config.txt
 
-.PHONY: all run test test-asan test-gpu deps clean FORCE
+.PHONY: all run test test-asan test-gpu deps install clean FORCE
 all: $(BUILD)/libpi0.a $(BUILD)/libpi0.so $(BUILD)/pi0
 
 # What a build was made with; rewritten only when it changes, so that depending on it is cheap.
@@ -123,18 +129,22 @@ $(BUILD)/libpi0.a: $(LIB_OBJ)
 	ar rcs $@ $^
 
 $(BUILD)/libpi0.so: $(LIB_OBJ)
-	$(CC) -shared -o $@ $^ $(LDLIBS_ALL)
+	$(CC) -shared -Wl,-soname,libpi0.so.$(VERSION_MAJOR) -o $@ $^ $(LDLIBS_ALL)
 
-$(BUILD)/pi0: $(CLI_OBJ) $(BUILD)/libpi0.a
-	$(CC) -o $@ $^ $(LDLIBS_ALL)
+$(BUILD)/libpi0_server.a: $(SERVER_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/pi0: $(CLI_OBJ) $(BUILD)/libpi0.a $(SERVER_ARCHIVE)
+	$(CC) -o $@ $(CLI_OBJ) $(PROGRAM_LIBS)
 
 $(BUILD)/bench/%: bench/%.c $(BUILD)/libpi0.a $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_ALL) -MMD -MP -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -MMD -MP -o $@ $< $(PROGRAM_LIBS)
 
-$(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a $(CONFIG)
+$(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a $(SERVER_ARCHIVE) $(CONFIG)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_ALL) -Itests -MMD -MP -o $@ $< $(BUILD)/libpi0.a $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Itests -MMD -MP -o $@ $< $(PROGRAM_LIBS)
 
 run: $(BUILD)/pi0
 	$(BUILD)/pi0 bench
@@ -153,10 +163,28 @@ test-gpu: $(GPU_TEST_BIN) $(LAB_BIN) $(BUILD)/pi0
 test-asan:
 	$(MAKE) BUILD=build-asan OPT=-O1 SANITIZE="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
 
+# make install PREFIX=DIR: the headers, both libraries, a pkg-config file, the pi0 command and the
+# converter it runs; a C program then builds with `cc prog.c $$(pkg-config --cflags --libs pi0)`.
+PREFIX ?= /usr/local
+install: all
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin \
+	  $(DESTDIR)$(PREFIX)/share/pi0
+	install -m 644 include/pi0.h include/pi0_policy.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 $(BUILD)/libpi0.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(BUILD)/libpi0.so $(DESTDIR)$(PREFIX)/lib/libpi0.so.$(VERSION)
+	ln -sf libpi0.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libpi0.so.$(VERSION_MAJOR)
+	ln -sf libpi0.so.$(VERSION_MAJOR) $(DESTDIR)$(PREFIX)/lib/libpi0.so
+	install -m 755 $(BUILD)/pi0 $(DESTDIR)$(PREFIX)/bin/
+	$(if $(wildcard tools/*.py),install -m 644 $(wildcard tools/*.py) $(DESTDIR)$(PREFIX)/share/pi0/)
+	printf '%s\n' 'prefix=$(PREFIX)' 'includedir=$${prefix}/include' 'libdir=$${prefix}/lib' '' \
+	  'Name: pi0' 'Description: inference engine for the Pi0 and Pi0.5 robot policies' 'Version: $(VERSION)' \
+	  'Cflags: -I$${includedir}' 'Libs: -L$${libdir} -lpi0' 'Libs.private: $(LDLIBS_ALL)' \
+	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/pi0.pc
+
 clean:
 	rm -rf build build-asan
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_BIN:=.d) $(TOOL_BIN:=.d) $(GPU_TEST_BIN:=.d) $(LAB_BIN:=.d)
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(SERVER_OBJ:.o=.d) $(TEST_BIN:=.d) $(TOOL_BIN:=.d) $(GPU_TEST_BIN:=.d) $(LAB_BIN:=.d)
 endif
 
 # Installs what the build and the tests need: the Debian packages (when missing; with sudo when not

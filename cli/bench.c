@@ -165,8 +165,9 @@ int cmd_bench(int argc, char **argv) {
     workload w = {.batch = 1, .cameras = 3, .masked = 1, .prompt_len = 20, .horizon = 10, .steps = 10, .warmup = -1,
                   .iters = -1, .seed = 0};
     const int_flag ints[] = {
-        {"--batch", 1, 4096, &w.batch},      {"--cameras", 0, 16, &w.cameras},   {"--masked-cameras", 0, 16, &w.masked},
-        {"--prompt-len", 0, 4096, &w.prompt_len}, {"--horizon", 1, 4096, &w.horizon}, {"--steps", 1, 10000, &w.steps},
+        {"--batch", 1, PI0_MAX_BATCH, &w.batch},      {"--cameras", 0, 16, &w.cameras},   {"--masked-cameras", 0, 16, &w.masked},
+        {"--prompt-len", 0, PI0_MAX_PROMPT_LEN, &w.prompt_len}, {"--horizon", 1, PI0_MAX_HORIZON, &w.horizon},
+        {"--steps", 1, PI0_MAX_STEPS, &w.steps},
         {"--warmup", 0, 1000000, &w.warmup}, {"--iters", 1, 1000000, &w.iters}, {"--seed", 0, INT64_MAX, &w.seed},
     };
     int json = 0, r, bad;

@@ -7,8 +7,8 @@
 #include <sys/stat.h>
 
 #include "cli.h"
-#include "io/msgpack_numpy.h"
-#include "policy/policy.h"
+#include "pi0_policy.h"
+#include "server/msgpack_numpy.h"
 #include "util/clock.h"
 #include "util/error.h"
 
@@ -70,13 +70,7 @@ static pi0_status load_observation(const char *path, pi0_observation *obs, pi0_e
 /* The reply `pi0 serve` sends, without its server_timing. */
 static pi0_status write_reply(const char *path, const pi0_policy_result *r, double infer_ms, pi0_error *err) {
     pi0_packer pk = {0};
-    pi0_pack_map(&pk, 2);
-    pi0_pack_str(&pk, "actions");
-    pi0_pack_ndarray(&pk, PI0_DTYPE_F64, 2, (int64_t[]){r->horizon, r->action_dims}, r->actions);
-    pi0_pack_str(&pk, "policy_timing");
-    pi0_pack_map(&pk, 1);
-    pi0_pack_str(&pk, "infer_ms");
-    pi0_pack_double(&pk, infer_ms);
+    pi0_pack_policy_reply(&pk, r, infer_ms, 0);
     pi0_status st = PI0_OK;
     FILE *f = NULL;
     if (pk.failed) st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory packing the reply");
@@ -132,7 +126,7 @@ int cmd_infer(int argc, char **argv) {
             if (r < 0) return usage_error("infer", "%s needs a value", argv[i]);
             continue;
         }
-        const int_flag ints[] = {{"--steps", 1, 10000, &steps}, {"--seed", 0, INT64_MAX, &seed}}, *f;
+        const int_flag ints[] = {{"--steps", 1, PI0_MAX_STEPS, &steps}, {"--seed", 0, INT64_MAX, &seed}}, *f;
         if ((f = int_flag_value(argc, argv, &i, ints, 2, &bad))) {
             if (bad) return int_flag_error("infer", f);
             continue;
@@ -160,7 +154,7 @@ int cmd_infer(int argc, char **argv) {
         goto done;
     }
     if (!quiet)
-        fprintf(stderr, "policy ready: adapter %s, %.2fM parameters, %s backend, %.1f s\n", pi0_policy_adapter(policy)->name,
+        fprintf(stderr, "policy ready: adapter %s, %.2fM parameters, %s backend, %.1f s\n", pi0_policy_adapter_name(policy),
                 pi0_model_num_params(pi0_policy_model(policy)) / 1e6,
                 pi0_backend_name(pi0_model_backend(pi0_policy_model(policy))), (pi0_now_ms() - t0) / 1e3);
     const pi0_observation *batch[1] = {&obs};
@@ -179,7 +173,7 @@ int cmd_infer(int argc, char **argv) {
         goto done;
     }
     if (json) print_json(&result, infer_ms);
-    else print_table(&result, pi0_policy_adapter(policy)->name, infer_ms);
+    else print_table(&result, pi0_policy_adapter_name(policy), infer_ms);
 done:
     pi0_policy_result_free(&result);
     pi0_policy_free(policy);

@@ -162,8 +162,9 @@ static pi0_status read_inputs(const char *path, const pi0_dims *dims, sample_inp
     if (st) return st;
     const st_tensor *state = st_find(&in->file, "state");
     if (!state || state->rank < 1) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s has no `state` tensor", path);
-    if (state->shape[0] <= 0 || state->shape[0] > 4096)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s: batch %lld is outside 1..4096", path, (long long)state->shape[0]);
+    if (state->shape[0] <= 0 || state->shape[0] > PI0_MAX_BATCH)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s: batch %lld is outside 1..%d", path, (long long)state->shape[0],
+                        PI0_MAX_BATCH);
     in->batch = (int)state->shape[0];
     if ((st = read_cameras(in, dims, err)) || (st = read_prompt(in, err)) ||
         (st = read_state_and_noise(in, dims, dims->action_horizon, err)))
@@ -207,7 +208,7 @@ int cmd_sample(int argc, char **argv) {
             if (r < 0) return usage_error("sample", "%s needs a value", argv[i]);
             continue;
         }
-        const int_flag ints[] = {{"--steps", 1, 10000, &steps}, {"--seed", 0, INT64_MAX, &seed}}, *f;
+        const int_flag ints[] = {{"--steps", 1, PI0_MAX_STEPS, &steps}, {"--seed", 0, INT64_MAX, &seed}}, *f;
         if ((f = int_flag_value(argc, argv, &i, ints, 2, &bad))) {
             if (bad) return int_flag_error("sample", f);
             continue;

@@ -77,7 +77,7 @@ int cmd_serve(int argc, char **argv) {
         }
         const int_flag ints[] = {
             {"--port", 0, 65535, &port}, {"--max-batch", 1, 64, &max_batch}, {"--batch-wait-ms", 0, 60000, &wait_ms},
-            {"--max-frame-mb", 1, 4096, &frame_mb}, {"--steps", 1, 10000, &steps}, {"--seed", 0, INT64_MAX, &seed},
+            {"--max-frame-mb", 1, 4096, &frame_mb}, {"--steps", 1, PI0_MAX_STEPS, &steps}, {"--seed", 0, INT64_MAX, &seed},
         };
         const int_flag *f = int_flag_value(argc, argv, &i, ints, sizeof ints / sizeof ints[0], &bad);
         if (f) {

@@ -1,14 +1,24 @@
 /*
- * pi0.h - inference engine for Physical Intelligence's Pi0 vision-language-action policy.
+ * pi0.h - inference engine for Physical Intelligence's Pi0 and Pi0.5 vision-language-action policies.
  *
  * The library loads an openpi PyTorch checkpoint (model.safetensors + config.json) and computes
- * `sample_actions`: camera images, robot state and prompt token ids in, a chunk of actions out.
+ * `sample_actions`: camera images, robot state and prompt token ids in, a chunk of actions out
+ * (docs/model.md). pi0_policy.h adds openpi's Policy.infer around it: raw robot observations in.
  *
  * Conventions:
  *  - Every function that can fail returns a pi0_status and, when `err` is not NULL, fills it with a
  *    one-line message naming the problem. The library never prints, exits or aborts.
  *  - All arrays are dense, row-major, little-endian host memory owned by the caller.
  *  - A pi0_model may be used by one thread at a time; load several models for concurrency.
+ *
+ * Environment switches the library reads when a model is loaded (for same-run A/B benchmarks and
+ * debugging; the defaults are the fast, tested paths):
+ *   PI0_CUDA_GRAPHS=0   run every call eagerly instead of replaying one CUDA graph per input shape
+ *   PI0_SKINNY=0        cuBLASLt instead of the engine's skinny Linears for small denoise steps
+ *   PI0_ATTN_DECODE=0   the tiled attention instead of the few-queries one for small denoise steps
+ *   PI0_ATTN_SPLIT=n    cap the key split of the tiled attention at n blocks
+ *   PI0_PDL=0           no programmatic dependent launch between the denoise kernels (sm_90+)
+ * They change speed only: every path computes the same function within the backend's tolerance.
  */
 #ifndef PI0_H
 #define PI0_H
@@ -19,6 +29,21 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* What the shared library exports: this API and nothing else (it is built with hidden visibility). */
+#if defined(__GNUC__)
+#define PI0_API __attribute__((visibility("default")))
+#else
+#define PI0_API
+#endif
+
+/* Limits on a request, far above real use; past them a call fails with PI0_ERR_INVALID_ARGUMENT. */
+#define PI0_MAX_BATCH 4096       /* samples in one call */
+#define PI0_MAX_CAMERAS 64       /* camera slots of a batch */
+#define PI0_MAX_PROMPT_LEN 65536 /* prompt tokens per sample */
+#define PI0_MAX_HORIZON 4096     /* action steps H */
+#define PI0_MAX_STEPS 10000      /* Euler steps */
+#define PI0_MAX_IMAGE_SIDE 4096  /* camera frames the policy resizes (pi0_policy.h) */
 
 typedef enum {
     PI0_OK = 0,
@@ -36,7 +61,7 @@ typedef struct {
 } pi0_error;
 
 /* A short static name for a status ("invalid argument", ...). */
-const char *pi0_status_name(pi0_status status);
+PI0_API const char *pi0_status_name(pi0_status status);
 
 typedef enum {
     PI0_BACKEND_AUTO = 0, /* CUDA when the library was built with it and a GPU is present, else CPU */
@@ -45,8 +70,18 @@ typedef enum {
 } pi0_backend;
 
 /* Parses "auto", "cpu" or "cuda". Returns 0 on success, -1 for an unknown name. */
-int pi0_backend_from_name(const char *name, pi0_backend *out);
-const char *pi0_backend_name(pi0_backend backend);
+PI0_API int pi0_backend_from_name(const char *name, pi0_backend *out);
+PI0_API const char *pi0_backend_name(pi0_backend backend);
+
+/* Which model a checkpoint holds (docs/model.md): Pi0, or Pi0.5 with its adaptive norms in the expert,
+ * time-conditioned instead of time-concatenated, and no state token. Told from tensor names alone. */
+typedef enum {
+    PI0_MODEL_PI0 = 0,
+    PI0_MODEL_PI05,
+} pi0_model_kind;
+
+/* "pi0" or "pi05". */
+PI0_API const char *pi0_model_kind_name(pi0_model_kind kind);
 
 /* Dimensions of one transformer stack. */
 typedef struct {
@@ -58,8 +93,9 @@ typedef struct {
     int head_dim;
 } pi0_stack_dims;
 
-/* Every dimension of a Pi0 model. Loaded checkpoints derive these from tensor shapes and config.json. */
+/* Every dimension of a model. Loaded checkpoints derive these from tensor shapes and config.json. */
 typedef struct {
+    pi0_model_kind kind;
     pi0_stack_dims vision;  /* SigLIP ViT (num_kv_heads == num_heads) */
     int patch_size;         /* 14 */
     int image_size;         /* 224: sqrt(number of position embeddings) * patch_size */
@@ -72,11 +108,14 @@ typedef struct {
 } pi0_dims;
 
 /* The real Pi0 dimensions (So400m/14, gemma_2b, gemma_300m, H = 50, 48 prompt tokens). */
-pi0_dims pi0_dims_pi0(void);
+PI0_API pi0_dims pi0_dims_pi0(void);
+/* The real Pi0.5 dimensions: Pi0's networks, H = 50, 200 prompt tokens. */
+PI0_API pi0_dims pi0_dims_pi05(void);
 
 typedef struct {
     pi0_backend backend;
-    int num_threads; /* CPU threads; 0 = one per core */
+    int num_threads; /* CPU backend threads; 0 = one per core. Other backends leave the process's
+                        thread settings (OpenMP, OpenBLAS) alone. */
     /* Called during loading with a stage name and progress in bytes; may be NULL. */
     void (*progress)(void *user, const char *stage, uint64_t done, uint64_t total);
     void *progress_user;
@@ -85,26 +124,26 @@ typedef struct {
 typedef struct pi0_model pi0_model;
 
 /* Loads `dir`/model.safetensors and `dir`/config.json. `options` may be NULL (defaults). */
-pi0_status pi0_model_load(const char *dir, const pi0_options *options, pi0_model **out, pi0_error *err);
+PI0_API pi0_status pi0_model_load(const char *dir, const pi0_options *options, pi0_model **out, pi0_error *err);
 
 /* Builds a model of the given dims with deterministic random weights drawn from `seed`. */
-pi0_status pi0_model_random(const pi0_dims *dims, uint64_t seed, const pi0_options *options,
+PI0_API pi0_status pi0_model_random(const pi0_dims *dims, uint64_t seed, const pi0_options *options,
                             pi0_model **out, pi0_error *err);
 
 /* Writes the model as a checkpoint directory (model.safetensors + config.json), in float32 or
  * bfloat16 (`bf16` != 0). Creates `dir` if needed. */
-pi0_status pi0_model_save(const pi0_model *model, const char *dir, int bf16, pi0_error *err);
+PI0_API pi0_status pi0_model_save(const pi0_model *model, const char *dir, int bf16, pi0_error *err);
 
-void pi0_model_free(pi0_model *model);
+PI0_API void pi0_model_free(pi0_model *model);
 
-const pi0_dims *pi0_model_dims(const pi0_model *model);
-pi0_backend pi0_model_backend(const pi0_model *model);
+PI0_API const pi0_dims *pi0_model_dims(const pi0_model *model);
+PI0_API pi0_backend pi0_model_backend(const pi0_model *model);
 /* Peak bytes of accelerator memory the model's backend has held (weights, graphs, activations);
  * 0 on the CPU backend. */
-uint64_t pi0_model_device_memory(const pi0_model *model);
+PI0_API uint64_t pi0_model_device_memory(const pi0_model *model);
 
 /* Number of parameters the engine uses (lm_head and other ignored tensors excluded). */
-uint64_t pi0_model_num_params(const pi0_model *model);
+PI0_API uint64_t pi0_model_num_params(const pi0_model *model);
 
 /*
  * A batch of B observations. Camera c of sample b is the image images[c] + b*S*S*3 (HWC, float in
@@ -136,7 +175,7 @@ typedef struct {
 } pi0_timings;
 
 /* Computes actions (B, H, action_dim) float32. `timings` may be NULL. */
-pi0_status pi0_sample_actions(pi0_model *model, const pi0_batch *batch, float *actions,
+PI0_API pi0_status pi0_sample_actions(pi0_model *model, const pi0_batch *batch, float *actions,
                               pi0_timings *timings, pi0_error *err);
 
 #ifdef __cplusplus

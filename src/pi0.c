@@ -20,6 +20,10 @@ int pi0_backend_from_name(const char *name, pi0_backend *out) {
     return 0;
 }
 
+const char *pi0_model_kind_name(pi0_model_kind kind) {
+    return kind == PI0_MODEL_PI05 ? "pi05" : "pi0";
+}
+
 const char *pi0_backend_name(pi0_backend backend) {
     switch (backend) {
     case PI0_BACKEND_AUTO: return "auto";
@@ -46,8 +50,9 @@ static pi0_status pick_backend(pi0_backend wanted, pi0_backend *chosen, const pi
     return PI0_OK;
 }
 
-static void apply_threads(const pi0_options *opts) {
-    if (opts && opts->num_threads > 0) {
+/* The CPU backend's thread count; process-wide settings, so only when that backend runs. */
+static void apply_threads(const pi0_options *opts, pi0_backend backend) {
+    if (backend == PI0_BACKEND_CPU && opts && opts->num_threads > 0) {
         omp_set_num_threads(opts->num_threads);
         openblas_set_num_threads(opts->num_threads);
     }
@@ -67,7 +72,7 @@ static pi0_status model_new(const pi0_dims *dims, const pi0_options *opts, pi0_m
         pi0_model_free(m);
         return st;
     }
-    apply_threads(opts);
+    apply_threads(opts, m->backend);
     *out = m;
     return PI0_OK;
 }

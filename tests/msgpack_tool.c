@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "io/msgpack_numpy.h"
+#include "server/msgpack_numpy.h"
 
 static int usage(void) {
     fprintf(stderr, "usage: msgpack_tool describe|echo [IN|--batch]\n       msgpack_tool reply\n");

@@ -10,7 +10,7 @@
 
 #include "check.h"
 #include "cli_run.h"
-#include "io/msgpack_numpy.h"
+#include "server/msgpack_numpy.h"
 #include "policy/policy.h"
 
 /* A copy of test_path(leaf) that later test_path calls do not reuse. */

@@ -9,7 +9,7 @@
 #include <time.h>
 
 #include "check.h"
-#include "io/msgpack_numpy.h"
+#include "server/msgpack_numpy.h"
 
 /* --- building frames: msgpack-c directly, for layouts the pi0 packer does not write ---------------- */
 

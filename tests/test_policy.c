@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "io/msgpack_numpy.h"
 #include "model/config.h"
 #include "policy/adapter.h"
 #include "policy/image.h"

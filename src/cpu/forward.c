@@ -14,6 +14,7 @@
 
 #include "cpu/cpu.h"
 #include "cpu/ops.h"
+#include "model/flow.h"
 #include "util/clock.h"
 #include "util/error.h"
 
@@ -57,7 +58,7 @@ typedef struct {
  * once its K/V are stored: the prefix pass's last layer has no other use.
  */
 static int gemma_block(const gemma_layer *l, const pi0_stack_dims *d, float *x, const gemma_rows *r, float *cache_k,
-                       float *cache_v, const cpu_rope_table *rope, gemma_scratch *s, int kv_only) {
+                       float *cache_v, const rope_table *rope, gemma_scratch *s, int kv_only) {
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
     cpu_rmsnorm(s->h, x, r->rows, W, l->input_norm, NORM_EPS);
     cpu_linear(s->q, s->h, r->rows, W, l->q_w, NULL, q_dim);
@@ -168,7 +169,7 @@ static void embed_prefix(const pi0_model *m, const pi0_plan *p, const float *vis
 
 /* The LLM over every valid prefix token, filling each layer's K/V cache; nothing else is kept. */
 static pi0_status prefix_forward(const pi0_model *m, const pi0_plan *p, float *x, float **cache_k, float **cache_v,
-                                 const cpu_rope_table *rope, pi0_error *err) {
+                                 const rope_table *rope, pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.llm;
     gemma_scratch s = {0};
     pi0_status st = PI0_OK;
@@ -225,7 +226,7 @@ static int denoise_alloc(denoise_buffers *b, const pi0_dims *d, int B, int H) {
 
 /* v(x_t, t): the action expert's velocity for every sample, into b->velocity (B H, A). */
 static int velocity(const pi0_model *m, const pi0_plan *p, const float *x_t, float t, float **cache_k,
-                    float **cache_v, const cpu_rope_table *rope, denoise_buffers *b) {
+                    float **cache_v, const rope_table *rope, denoise_buffers *b) {
     const pi0_dims *d = &m->dims;
     const pi0_weights *w = &m->weights;
     int We = d->expert.width, A = d->action_dim, H = p->horizon, S = H + 1, actions = p->batch * H;
@@ -260,7 +261,7 @@ static int velocity(const pi0_model *m, const pi0_plan *p, const float *x_t, flo
 
 /* Euler integration of the flow from t = 1 (noise) to t = 0 (actions), all in float32 like openpi. */
 static pi0_status denoise(const pi0_model *m, const pi0_plan *p, float **cache_k, float **cache_v,
-                          const cpu_rope_table *rope, float *actions, pi0_error *err) {
+                          const rope_table *rope, float *actions, pi0_error *err) {
     const pi0_dims *d = &m->dims;
     size_t n = (size_t)p->batch * p->horizon * d->action_dim;
     denoise_buffers b;
@@ -324,9 +325,9 @@ pi0_status cpu_sample_traced(const pi0_model *m, const pi0_plan *p, float *actio
     float *vision_tokens = malloc((size_t)p->num_images * P * d->llm.width * sizeof(float) + 1);
     float *x = malloc((size_t)p->total_prefix * d->llm.width * sizeof(float) + 1);
     float **cache_k = alloc_cache(d->llm.depth, cache_floats), **cache_v = alloc_cache(d->llm.depth, cache_floats);
-    cpu_rope_table rope = {0};
+    rope_table rope = {0};
     pi0_status st = PI0_OK;
-    if (!vision_tokens || !x || !cache_k || !cache_v || cpu_rope_table_init(&rope, p->max_prefix + p->horizon + 1, d->llm.head_dim)) {
+    if (!vision_tokens || !x || !cache_k || !cache_v || rope_table_init(&rope, p->max_prefix + p->horizon + 1, d->llm.head_dim)) {
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a batch of %d (%d prefix tokens)", p->batch,
                       p->total_prefix);
         goto done;
@@ -346,7 +347,7 @@ done:
     free(x);
     free_cache(cache_k, d->llm.depth);
     free_cache(cache_v, d->llm.depth);
-    cpu_rope_table_free(&rope);
+    rope_table_free(&rope);
     return st;
 }
 

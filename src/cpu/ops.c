@@ -73,31 +73,7 @@ void cpu_swish_inplace(float *x, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] = x[i] / (1.0f + expf(-x[i]));
 }
 
-int cpu_rope_table_init(cpu_rope_table *t, int max_pos, int head_dim) {
-    t->max_pos = max_pos;
-    t->half = head_dim / 2;
-    size_t n = (size_t)max_pos * t->half;
-    t->cos = malloc(n * sizeof(float) + 1);
-    t->sin = malloc(n * sizeof(float) + 1);
-    if (!t->cos || !t->sin) return -1;
-    for (int i = 0; i < t->half; i++) {
-        double timescale = pow(10000.0, 2.0 * i / head_dim);
-        for (int p = 0; p < max_pos; p++) {
-            double r = p / timescale;
-            t->cos[(size_t)p * t->half + i] = (float)cos(r);
-            t->sin[(size_t)p * t->half + i] = (float)sin(r);
-        }
-    }
-    return 0;
-}
-
-void cpu_rope_table_free(cpu_rope_table *t) {
-    free(t->cos);
-    free(t->sin);
-    memset(t, 0, sizeof *t);
-}
-
-void cpu_rope(float *x, int rows, int ld, int heads, int head_dim, const int *positions, const cpu_rope_table *t) {
+void cpu_rope(float *x, int rows, int ld, int heads, int head_dim, const int *positions, const rope_table *t) {
     int half = head_dim / 2;
 #pragma omp parallel for schedule(static) if (rows > 8)
     for (int r = 0; r < rows; r++) {

@@ -10,6 +10,7 @@
 #include <stddef.h>
 
 #include "model/plan.h"
+#include "model/rope.h"
 
 /* out (rows, out_dim) = in (rows, in_dim) W^T + b; b may be NULL. */
 void cpu_linear(float *out, const float *in, int rows, int in_dim, const float *w, const float *b, int out_dim);
@@ -28,15 +29,8 @@ void cpu_gelu_mul(float *gate, const float *up, size_t n);
 /* x = x * sigmoid(x). */
 void cpu_swish_inplace(float *x, size_t n);
 
-/* cos/sin of pos / 10000^(2i/head_dim) for pos in [0, max_pos), i in [0, head_dim/2). */
-typedef struct {
-    int max_pos, half;
-    float *cos, *sin;
-} cpu_rope_table;
-int cpu_rope_table_init(cpu_rope_table *t, int max_pos, int head_dim);
-void cpu_rope_table_free(cpu_rope_table *t);
 /* Rotate-half RoPE on `heads` heads of every row; row r has position positions[r]. */
-void cpu_rope(float *x, int rows, int ld, int heads, int head_dim, const int *positions, const cpu_rope_table *t);
+void cpu_rope(float *x, int rows, int ld, int heads, int head_dim, const int *positions, const rope_table *t);
 
 /* Multi-head attention with num_heads query heads sharing num_kv_heads K/V heads (MQA/GQA), logits
  * scaled by `scale`, softmax in float32. Segments are independent; they run in parallel.

@@ -15,6 +15,7 @@
 #include "cuda/attention.h"
 #include "cuda/backend.h"
 #include "cuda/skinny.h"
+#include "model/flow.h"
 #include "util/error.h"
 
 #define NORM_EPS 1e-6f

@@ -16,9 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu/ops.h"
+#include "model/rope.h"
 #include "cuda/backend.h"
-#include "util/bf16.h"
+#include "util/half.h"
 #include "util/error.h"
 
 void *cuda_alloc(cuda_state *s, size_t bytes, pi0_error *err) {
@@ -138,12 +138,12 @@ static float *fold_time_in(const pi0_weights *w, int We, int A) {
 
 /* RoPE tables for every position a plan may use: the CPU backend's, so both rotate alike. */
 static int upload_rope(cuda_state *s, int head_dim, pi0_error *err) {
-    cpu_rope_table t = {0};
+    rope_table t = {0};
     size_t n = (size_t)ROPE_MAX_POS * (head_dim / 2);
-    int ok = cpu_rope_table_init(&t, ROPE_MAX_POS, head_dim) == 0;
+    int ok = rope_table_init(&t, ROPE_MAX_POS, head_dim) == 0;
     s->w.rope_cos = ok ? UP_F32({t.cos, n}) : NULL;
     s->w.rope_sin = ok ? UP_F32({t.sin, n}) : NULL;
-    cpu_rope_table_free(&t);
+    rope_table_free(&t);
     return s->w.rope_cos && s->w.rope_sin ? 0 : -1;
 }
 

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "util/error.h"
+#include "util/half.h"
 
 /* About the reference implementation's limit (100 MB); real checkpoints need well under 1 MiB. */
 #define ST_MAX_HEADER ((uint64_t)100 << 20)
@@ -341,31 +342,6 @@ const char *st_meta(const st_file *file, const char *key) {
 
 /* --- conversion to float32 ----------------------------------------------------------------------- */
 
-static inline float float_from_bits(uint32_t bits) {
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static inline uint32_t bits_from_float(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    return bits;
-}
-
-/* IEEE binary16 -> binary32, exact for every input: normals are rebiased (15 -> 127), inf and nan keep
-   their payload under an all-ones exponent, subnormals are mantissa * 2^-24 (exactly representable as
-   float normals). Masks instead of branches so the loop calling it vectorizes. */
-static inline float half_to_float(uint16_t half) {
-    uint32_t sign = (uint32_t)(half & 0x8000) << 16;
-    uint32_t exponent = (half >> 10) & 0x1f, mantissa = half & 0x3ff;
-    uint32_t normal = (exponent + 112) << 23 | mantissa << 13;
-    normal += (uint32_t)(exponent == 0x1f) * (112u << 23); /* 31 + 112 + 112 = 255 */
-    uint32_t subnormal = bits_from_float((float)mantissa * 0x1p-24f);
-    uint32_t is_normal = 0u - (uint32_t)(exponent != 0);
-    return float_from_bits(sign | (normal & is_normal) | (subnormal & ~is_normal));
-}
-
 /* Converts n elements. Sources may be unaligned, so every load goes through memcpy, which compiles
    to a plain (vectorizable) load; the host is little-endian like the file (see pi0.h). */
 static void convert_block(st_dtype dtype, const unsigned char *src, float *out, size_t n) {
@@ -376,7 +352,7 @@ static void convert_block(st_dtype dtype, const unsigned char *src, float *out, 
         for (size_t i = 0; i < n; i++) {
             uint16_t bits;
             memcpy(&bits, src + 2 * i, sizeof bits);
-            out[i] = float_from_bits((uint32_t)bits << 16); /* bf16 is the top half of a float */
+            out[i] = bf16_to_f32(bits);
         }
         break;
     case ST_F16:
@@ -384,7 +360,7 @@ static void convert_block(st_dtype dtype, const unsigned char *src, float *out, 
         for (size_t i = 0; i < n; i++) {
             uint16_t bits;
             memcpy(&bits, src + 2 * i, sizeof bits);
-            out[i] = half_to_float(bits);
+            out[i] = f16_to_f32(bits);
         }
         break;
     case ST_I32:

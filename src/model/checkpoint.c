@@ -7,7 +7,7 @@
 #include <sys/stat.h>
 
 #include "model/config.h"
-#include "util/bf16.h"
+#include "util/half.h"
 #include "util/error.h"
 
 #define ANCHOR "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
@@ -39,6 +39,15 @@ pi0_status checkpoint_open(const char *dir, checkpoint *ck, pi0_error *err) {
     if (!st) st = config_derive_dims(&ck->file, ck->prefix, config, &ck->dims, err);
     if (st) checkpoint_close(ck);
     return st;
+}
+
+pi0_status checkpoint_peek_dims(const char *dir, pi0_dims *dims, pi0_error *err) {
+    checkpoint ck;
+    pi0_status st = checkpoint_open(dir, &ck, err);
+    if (st) return st;
+    *dims = ck.dims;
+    checkpoint_close(&ck);
+    return PI0_OK;
 }
 
 void checkpoint_close(checkpoint *ck) {

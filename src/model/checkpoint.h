@@ -22,6 +22,9 @@ typedef struct {
 pi0_status checkpoint_open(const char *dir, checkpoint *ck, pi0_error *err);
 void checkpoint_close(checkpoint *ck);
 
+/* The dims of the checkpoint in `dir` (its header and config.json only; no weight is read). */
+pi0_status checkpoint_peek_dims(const char *dir, pi0_dims *dims, pi0_error *err);
+
 /* The checkpoint tensor for `spec`, or NULL when missing. */
 const st_tensor *checkpoint_tensor(const checkpoint *ck, const weight_spec *spec);
 

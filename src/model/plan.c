@@ -4,27 +4,21 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "model/flow.h"
 #include "util/error.h"
-#include "util/rng.h"
 
-/* Limits that keep a malformed request from asking for absurd amounts of memory. */
-#define MAX_BATCH 4096
-#define MAX_CAMERAS 64
-#define MAX_PROMPT_LEN 65536
-#define MAX_HORIZON 4096
-#define MAX_STEPS 10000
 
 static pi0_status check_batch(const pi0_dims *dims, const pi0_batch *b, pi0_error *err) {
-    if (b->batch <= 0 || b->batch > MAX_BATCH)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "batch size %d is outside 1..%d", b->batch, MAX_BATCH);
-    if (b->num_cameras < 0 || b->num_cameras > MAX_CAMERAS)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "num_cameras %d is outside 0..%d", b->num_cameras, MAX_CAMERAS);
-    if (b->prompt_len < 0 || b->prompt_len > MAX_PROMPT_LEN)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "prompt_len %d is outside 0..%d", b->prompt_len, MAX_PROMPT_LEN);
-    if (b->horizon < 0 || b->horizon > MAX_HORIZON)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "horizon %d is outside 0..%d", b->horizon, MAX_HORIZON);
-    if (b->num_steps < 0 || b->num_steps > MAX_STEPS)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "num_steps %d is outside 0..%d", b->num_steps, MAX_STEPS);
+    if (b->batch <= 0 || b->batch > PI0_MAX_BATCH)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "batch size %d is outside 1..%d", b->batch, PI0_MAX_BATCH);
+    if (b->num_cameras < 0 || b->num_cameras > PI0_MAX_CAMERAS)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "num_cameras %d is outside 0..%d", b->num_cameras, PI0_MAX_CAMERAS);
+    if (b->prompt_len < 0 || b->prompt_len > PI0_MAX_PROMPT_LEN)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "prompt_len %d is outside 0..%d", b->prompt_len, PI0_MAX_PROMPT_LEN);
+    if (b->horizon < 0 || b->horizon > PI0_MAX_HORIZON)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "horizon %d is outside 0..%d", b->horizon, PI0_MAX_HORIZON);
+    if (b->num_steps < 0 || b->num_steps > PI0_MAX_STEPS)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "num_steps %d is outside 0..%d", b->num_steps, PI0_MAX_STEPS);
     if (!b->state) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "state is NULL");
     if (b->num_cameras > 0 && (!b->images || !b->image_masks))
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "images or image_masks is NULL");
@@ -89,14 +83,6 @@ static int layout_tokens(pi0_plan *p) {
     return 0;
 }
 
-/* Standard normal noise from the seed, as documented in pi0.h. */
-static float *seeded_noise(uint64_t seed, size_t n) {
-    float *noise = malloc(n * sizeof(float));
-    uint64_t stream = rng_mix64(seed ^ 0x6e6f697365ull); /* "noise" */
-    for (size_t i = 0; noise && i < n; i++) noise[i] = rng_normal(stream, i);
-    return noise;
-}
-
 pi0_status plan_build(const pi0_dims *dims, const pi0_batch *b, pi0_plan *p, pi0_error *err) {
     memset(p, 0, sizeof *p);
     pi0_status st = check_batch(dims, b, err);
@@ -137,7 +123,10 @@ pi0_status plan_build(const pi0_dims *dims, const pi0_batch *b, pi0_plan *p, pi0
 
     size_t noise_len = (size_t)B * p->horizon * dims->action_dim;
     p->noise = b->noise;
-    if (!b->noise && !(p->noise = p->noise_owned = seeded_noise(b->noise_seed, noise_len))) goto oom;
+    if (!b->noise) {
+        if (!(p->noise = p->noise_owned = malloc(noise_len * sizeof(float) + 1))) goto oom;
+        flow_noise(b->noise_seed, p->noise_owned, noise_len);
+    }
     return PI0_OK;
 oom:
     plan_free(p);
@@ -158,18 +147,3 @@ void plan_free(pi0_plan *p) {
     memset(p, 0, sizeof *p);
 }
 
-void flow_times(int num_steps, float *t) {
-    float dt = -1.0f / (float)num_steps, now = 1.0f;
-    for (int i = 0; i < num_steps; i++, now += dt) t[i] = now;
-}
-
-void time_embedding(float t, int width, float *out) {
-    int half = width / 2;
-    for (int i = 0; i < half; i++) {
-        double fraction = half > 1 ? (double)i / (half - 1) : 0.0;
-        double period = 4e-3 * pow(4.0 / 4e-3, fraction);
-        double angle = (double)t * 2.0 * M_PI / period;
-        out[i] = (float)sin(angle);
-        out[half + i] = (float)cos(angle);
-    }
-}

@@ -60,10 +60,4 @@ static inline int image_tokens(const pi0_dims *d) {
 pi0_status plan_build(const pi0_dims *dims, const pi0_batch *batch, pi0_plan *plan, pi0_error *err);
 void plan_free(pi0_plan *plan);
 
-/* Flow time of each Euler step (1, 1 + dt, ...), accumulated in float32 like openpi. */
-void flow_times(int num_steps, float *t);
-
-/* Sin-cos embedding of flow time t over `width` features (PI0_SPEC §2), computed in double. */
-void time_embedding(float t, int width, float *out);
-
 #endif

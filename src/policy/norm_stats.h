@@ -11,7 +11,7 @@
 #ifndef PI0_POLICY_NORM_STATS_H
 #define PI0_POLICY_NORM_STATS_H
 
-#include "pi0.h"
+#include "pi0_policy.h" /* pi0_norm_mode */
 
 typedef struct {
     char *key;
@@ -30,7 +30,6 @@ void pi0_norm_stats_free(pi0_norm_stats *s);
 /* The entry named `key`, or NULL. */
 const pi0_norm_entry *pi0_norm_stats_find(const pi0_norm_stats *s, const char *key);
 
-typedef enum { PI0_NORM_ZSCORE, PI0_NORM_QUANTILE } pi0_norm_mode; /* Pi0: z-score; Pi0.5: quantile */
 
 /*
  * transforms.Normalize on x[0..n) into out (float32, what the model takes), with numpy's promotions: the

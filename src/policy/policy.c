@@ -18,15 +18,13 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "model/checkpoint.h"
+#include "model/flow.h"
 #include "policy/image.h"
 #include "util/clock.h"
 #include "util/error.h"
-#include "util/rng.h"
+#include "util/half.h"
 
-#define MAX_BATCH 4096      /* the engine's own limit */
-#define MAX_HORIZON 4096
-#define MAX_STEPS 10000
-#define MAX_IMAGE_SIDE 4096 /* larger camera frames are refused, not resized */
 #define MAX_ASSET_DEPTH 8   /* how deep under assets/ to look for norm_stats.json */
 
 /* A checked camera frame waiting for its pixel work. */
@@ -77,15 +75,26 @@ void pi0_policy_free(pi0_policy *p) {
 const pi0_model *pi0_policy_model(const pi0_policy *p) { return p ? p->model : NULL; }
 const pi0_adapter *pi0_policy_adapter(const pi0_policy *p) { return p ? p->adapter : NULL; }
 int pi0_policy_horizon(const pi0_policy *p) { return p ? p->horizon : 0; }
+int pi0_policy_action_dims(const pi0_policy *p) { return p ? p->adapter->action_dims : 0; }
+const char *pi0_policy_adapter_name(const pi0_policy *p) { return p && p->adapter->name ? p->adapter->name : "?"; }
+pi0_norm_mode pi0_policy_norm_mode(const pi0_policy *p) { return p ? p->mode : PI0_NORM_DEFAULT; }
+
+/* The normalization a model asks for when the caller leaves it to the model: openpi's configs use
+ * quantiles for every model but Pi0. */
+static pi0_norm_mode resolve_mode(pi0_norm_mode asked, pi0_model_kind kind) {
+    if (asked != PI0_NORM_DEFAULT) return asked;
+    return kind == PI0_MODEL_PI0 ? PI0_NORM_ZSCORE : PI0_NORM_QUANTILE;
+}
 
 /* Norm stats need a "state" and an "actions" entry, with q01/q99 in quantile mode. */
-static pi0_status check_stats(const pi0_norm_stats *stats, pi0_norm_mode mode, pi0_error *err) {
+static pi0_status check_stats(const pi0_norm_stats *stats, pi0_norm_mode mode, pi0_model_kind kind, pi0_error *err) {
     const char *keys[2] = {"state", "actions"};
     for (int k = 0; k < 2; k++) {
         const pi0_norm_entry *e = pi0_norm_stats_find(stats, keys[k]);
         if (!e) return pi0_fail(err, PI0_ERR_FORMAT, "norm stats have no \"%s\" entry", keys[k]);
         if (mode == PI0_NORM_QUANTILE && (!e->q01 || !e->q99))
-            return pi0_fail(err, PI0_ERR_FORMAT, "quantile normalization needs q01 and q99, which norm stats \"%s\" lack",
+            return pi0_fail(err, PI0_ERR_FORMAT, "quantile normalization%s needs q01 and q99, which norm stats \"%s\" lack",
+                            kind == PI0_MODEL_PI05 ? " (what Pi0.5 checkpoints use, as openpi's configs do)" : "",
                             keys[k]);
     }
     return PI0_OK;
@@ -109,16 +118,16 @@ pi0_status pi0_policy_create(pi0_model *model, pi0_adapter *adapter, pi0_tokeniz
         goto fail;
     }
     const pi0_dims *d = pi0_model_dims(model);
-    p->mode = opts ? opts->norm_mode : PI0_NORM_ZSCORE;
+    p->mode = resolve_mode(opts ? opts->norm_mode : PI0_NORM_DEFAULT, d->kind);
     p->horizon = opts && opts->horizon ? opts->horizon : d->action_horizon;
     p->num_steps = opts && opts->num_steps ? opts->num_steps : 10;
     if (p->mode != PI0_NORM_ZSCORE && p->mode != PI0_NORM_QUANTILE) {
         st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy: unknown normalization mode %d", (int)p->mode);
         goto fail;
     }
-    if (p->horizon < 1 || p->horizon > MAX_HORIZON || p->num_steps < 1 || p->num_steps > MAX_STEPS) {
+    if (p->horizon < 1 || p->horizon > PI0_MAX_HORIZON || p->num_steps < 1 || p->num_steps > PI0_MAX_STEPS) {
         st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy: horizon %d or steps %d outside 1..%d / 1..%d", p->horizon,
-                      p->num_steps, MAX_HORIZON, MAX_STEPS);
+                      p->num_steps, PI0_MAX_HORIZON, PI0_MAX_STEPS);
         goto fail;
     }
     const char *name = adapter->name ? adapter->name : "(unnamed)";
@@ -133,7 +142,7 @@ pi0_status pi0_policy_create(pi0_model *model, pi0_adapter *adapter, pi0_tokeniz
                       adapter->action_dims, d->action_dim);
         goto fail;
     }
-    if ((st = check_stats(&p->stats, p->mode, err))) goto fail;
+    if ((st = check_stats(&p->stats, p->mode, d->kind, err))) goto fail;
     p->state_stats = pi0_norm_stats_find(&p->stats, "state");
     p->action_stats = pi0_norm_stats_find(&p->stats, "actions");
     *out = p;
@@ -204,9 +213,9 @@ static int find_norm_stats(const char *dir, int depth, path_list *found) {
 }
 
 /* The single norm_stats.json under <checkpoint>/assets/, into `path`. */
-static pi0_status find_one_norm_stats(const char *checkpoint, char *path, size_t size, pi0_error *err) {
+static pi0_status find_one_norm_stats(const char *checkpoint_dir, char *path, size_t size, pi0_error *err) {
     char assets[4096];
-    snprintf(assets, sizeof assets, "%s/assets", checkpoint);
+    snprintf(assets, sizeof assets, "%s/assets", checkpoint_dir);
     path_list found = {0};
     pi0_status st;
     if (find_norm_stats(assets, 0, &found)) {
@@ -234,14 +243,15 @@ static pi0_status find_one_norm_stats(const char *checkpoint, char *path, size_t
 
 /* The norm stats: the given file, else the single norm_stats.json under <checkpoint>/assets/; then checked
  * for what the policy needs, naming the file. */
-static pi0_status open_norm_stats(const pi0_policy_options *o, pi0_norm_stats *out, pi0_error *err) {
+static pi0_status open_norm_stats(const pi0_policy_options *o, pi0_model_kind kind, pi0_norm_stats *out,
+                                  pi0_error *err) {
     char path[4096];
     pi0_status st = o->norm_stats ? PI0_OK : find_one_norm_stats(o->checkpoint, path, sizeof path, err);
     if (st) return st;
     if (o->norm_stats) snprintf(path, sizeof path, "%s", o->norm_stats);
     if ((st = pi0_norm_stats_load(path, out, err))) return st;
     pi0_error inner = {0};
-    if ((st = check_stats(out, o->norm_mode, &inner))) {
+    if ((st = check_stats(out, resolve_mode(o->norm_mode, kind), kind, &inner))) {
         pi0_norm_stats_free(out);
         return pi0_fail(err, st, "%s: %s", path, inner.message);
     }
@@ -256,10 +266,13 @@ pi0_status pi0_policy_open(const pi0_policy_options *opts, pi0_policy **out, pi0
     pi0_tokenizer *tokenizer = NULL;
     pi0_norm_stats stats = {0};
     pi0_model *model = NULL;
-    /* the small files first, so that a typo fails before gigabytes of weights are read */
+    pi0_dims dims;
+    /* the small files first, so that a typo fails before gigabytes of weights are read; the checkpoint's
+       header says which model it is, which decides how the norm stats are used */
     pi0_status st = pi0_adapter_open(opts->adapter, &adapter, err);
     if (!st) st = open_tokenizer(opts, &tokenizer, err);
-    if (!st) st = open_norm_stats(opts, &stats, err);
+    if (!st) st = checkpoint_peek_dims(opts->checkpoint, &dims, err);
+    if (!st) st = open_norm_stats(opts, dims.kind, &stats, err);
     if (!st) st = pi0_model_load(opts->checkpoint, &opts->model, &model, err);
     if (st) {
         pi0_adapter_free(adapter), pi0_tokenizer_free(tokenizer), pi0_norm_stats_free(&stats);
@@ -316,9 +329,9 @@ static pi0_status check_image(const pi0_field *f, pi0_image *img, pi0_error *err
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT,
                         "\"%s\" has shape %s: expected 3 color channels, (H, W, 3) or (3, H, W)", f->key,
                         shape_str(f, shape, sizeof shape));
-    if (h > MAX_IMAGE_SIDE || w > MAX_IMAGE_SIDE)
+    if (h > PI0_MAX_IMAGE_SIDE || w > PI0_MAX_IMAGE_SIDE)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\" is a %lldx%lld image, larger than %dx%d", f->key,
-                        (long long)w, (long long)h, MAX_IMAGE_SIDE, MAX_IMAGE_SIDE);
+                        (long long)w, (long long)h, PI0_MAX_IMAGE_SIDE, PI0_MAX_IMAGE_SIDE);
     /* float64 frames are turned into bytes by render_image; float32 ones by pi0_image_preprocess */
     *img = (pi0_image){.data = f->data, .type = f->dtype == PI0_DTYPE_F32 ? PI0_PIXEL_F32 : PI0_PIXEL_U8,
                        .layout = chw ? PI0_LAYOUT_CHW : PI0_LAYOUT_HWC, .height = (int)h, .width = (int)w,
@@ -348,14 +361,6 @@ static pi0_status render_image(const pi0_field *f, const pi0_image *checked, int
     return PI0_OK;
 }
 
-static double half_to_double(uint16_t h) {
-    int exponent = (h >> 10) & 31, mantissa = h & 1023;
-    double v = exponent == 0 ? ldexp(mantissa, -24)
-               : exponent == 31 ? (mantissa ? NAN : INFINITY)
-               : ldexp(mantissa + 1024, exponent - 25);
-    return h >> 15 ? -v : v;
-}
-
 /* Element k of a numeric field as float64 (numpy's promotion of the robot's array against float64 stats). */
 static double element(const pi0_field *f, int64_t k) {
     const char *at = (const char *)f->data + (size_t)k * pi0_dtype_size(f->dtype);
@@ -370,7 +375,7 @@ static double element(const pi0_field *f, int64_t k) {
     case PI0_DTYPE_I32: LOAD(int32_t);
     case PI0_DTYPE_U64: LOAD(uint64_t);
     case PI0_DTYPE_I64: LOAD(int64_t);
-    case PI0_DTYPE_F16: { uint16_t v; memcpy(&v, at, 2); return half_to_double(v); }
+    case PI0_DTYPE_F16: { uint16_t v; memcpy(&v, at, 2); return f16_to_f32(v); }
     case PI0_DTYPE_F32: LOAD(float);
     case PI0_DTYPE_F64: LOAD(double);
     }
@@ -482,7 +487,7 @@ static void render_images(pi0_policy *p, int valid, pi0_policy_result *results) 
         pi0_error e = {0};
         int slot = j / C, c = j % C;
         if (render_image(fr->field, &fr->image, S, p->images[c] + (size_t)slot * S * S * 3, &e)) {
-#pragma omp critical(pi0_policy_render)
+#pragma omp critical
             results[p->source[slot]].error = e;
         }
     }
@@ -515,13 +520,6 @@ static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
     return PI0_OK;
 }
 
-/* Standard normal noise from one observation's seed: what pi0_sample_actions draws for a batch of one with
- * that noise_seed (model/plan.c), so a request gives the same actions alone or batched. */
-static void seeded_noise(uint64_t seed, float *noise, size_t n) {
-    uint64_t stream = rng_mix64(seed ^ 0x6e6f697365ull); /* "noise" */
-    for (size_t i = 0; i < n; i++) noise[i] = rng_normal(stream, i);
-}
-
 void pi0_policy_result_free(pi0_policy_result *r) {
     if (!r) return;
     free(r->actions);
@@ -532,11 +530,11 @@ pi0_status pi0_policy_infer(pi0_policy *p, const pi0_observation *const *obs, co
                             int count, pi0_policy_result *results, double *infer_ms, pi0_error *err) {
     double t0 = pi0_now_ms();
     if (infer_ms) *infer_ms = 0;
-    if (!p || count < 0 || count > MAX_BATCH || (count > 0 && (!obs || !results))) {
+    if (!p || count < 0 || count > PI0_MAX_BATCH || (count > 0 && (!obs || !results))) {
         pi0_error bad = {0};
         pi0_fail(&bad, PI0_ERR_INVALID_ARGUMENT, "policy infer: NULL policy, observations or results, or count %d "
-                 "outside 0..%d", count, MAX_BATCH);
-        for (int i = 0; results && i < count && count <= MAX_BATCH; i++)
+                 "outside 0..%d", count, PI0_MAX_BATCH);
+        for (int i = 0; results && i < count && count <= PI0_MAX_BATCH; i++)
             results[i] = (pi0_policy_result){.error = bad};
         if (err) *err = bad;
         return bad.status;
@@ -562,7 +560,7 @@ pi0_status pi0_policy_infer(pi0_policy *p, const pi0_observation *const *obs, co
             continue;
         }
         if (prepare(p, obs[i], valid, e)) continue;
-        seeded_noise(noise_seeds ? noise_seeds[i] : 0, p->noise + valid * chunk, chunk);
+        flow_noise(noise_seeds ? noise_seeds[i] : 0, p->noise + valid * chunk, chunk); /* as a batch of one draws it */
         p->source[valid++] = i;
     }
 

@@ -15,7 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "io/msgpack_numpy.h"
+#include "pi0_policy.h"
 
 typedef struct server_request {
     struct server_request *next;

@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "server/msgpack_numpy.h"
 #include "server/queue.h"
 #include "util/clock.h"
 #include "util/error.h"
@@ -132,15 +133,8 @@ static server_reply *reply_make(const server_request *rq, const pi0_policy_resul
                                 double policy_ms, double t_start_ms) {
     if (res->error.status) return reply_error(rq->conn_id, res->error.message);
     pi0_packer p = {0};
-    int64_t shape[2] = {res->horizon, res->action_dims};
     double now = pi0_now_ms();
-    pi0_pack_map(&p, 3);
-    pi0_pack_str(&p, "actions");
-    pi0_pack_ndarray(&p, PI0_DTYPE_F64, 2, shape, res->actions);
-    pi0_pack_str(&p, "policy_timing");
-    pi0_pack_map(&p, 1);
-    pi0_pack_str(&p, "infer_ms");
-    pi0_pack_double(&p, policy_ms);
+    pi0_pack_policy_reply(&p, res, policy_ms, 1);
     pi0_pack_str(&p, "server_timing");
     pi0_pack_map(&p, rq->prev_total_ms >= 0 ? 4 : 3);
     pi0_pack_str(&p, "infer_ms");
@@ -535,22 +529,23 @@ static int callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
 /* ---- set-up --------------------------------------------------------------------------------------- */
 
 static pi0_status pack_metadata(server *s, pi0_error *err) {
-    const pi0_adapter *a = pi0_policy_adapter(s->policy);
     const pi0_model *m = pi0_policy_model(s->policy);
     pi0_packer p = {0};
-    pi0_pack_map(&p, 8);
+    pi0_pack_map(&p, 9);
     pi0_pack_str(&p, "engine");
     pi0_pack_str(&p, "pi0");
+    pi0_pack_str(&p, "model");
+    pi0_pack_str(&p, pi0_model_kind_name(pi0_model_dims(m)->kind));
     pi0_pack_str(&p, "adapter");
-    pi0_pack_str(&p, a && a->name ? a->name : "");
+    pi0_pack_str(&p, pi0_policy_adapter_name(s->policy));
     pi0_pack_str(&p, "action_horizon");
     pi0_pack_int(&p, pi0_policy_horizon(s->policy));
     pi0_pack_str(&p, "action_dims");
-    pi0_pack_int(&p, a ? a->action_dims : 0);
+    pi0_pack_int(&p, pi0_policy_action_dims(s->policy));
     pi0_pack_str(&p, "action_dim");
-    pi0_pack_int(&p, m ? pi0_model_dims(m)->action_dim : 0);
+    pi0_pack_int(&p, pi0_model_dims(m)->action_dim);
     pi0_pack_str(&p, "backend");
-    pi0_pack_str(&p, m ? pi0_backend_name(pi0_model_backend(m)) : "");
+    pi0_pack_str(&p, pi0_backend_name(pi0_model_backend(m)));
     pi0_pack_str(&p, "max_batch");
     pi0_pack_int(&p, s->opts.max_batch);
     pi0_pack_str(&p, "batch_wait_ms");

@@ -10,8 +10,8 @@
  * Every reply carries openpi's fields: `actions` (float64, (horizon, action_dims)), `policy_timing` {infer_ms:
  * the batched policy call} and `server_timing` {infer_ms: decoded request to packed reply, prev_total_ms: the
  * connection's previous request from its first byte to its reply written (from the 2nd request on), and ours:
- * batch_size, queue_ms}. The metadata frame is {engine, adapter, action_horizon, action_dims, action_dim,
- * backend, max_batch, batch_wait_ms}.
+ * batch_size, queue_ms}. The metadata frame is {engine, model ("pi0" or "pi05"), adapter, action_horizon,
+ * action_dims, action_dim, backend, max_batch, batch_wait_ms}.
  *
  * The library prints nothing: the per-connection lines and errors go to `log` when it is set.
  */
@@ -22,8 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "pi0.h"
-#include "policy/policy.h"
+#include "pi0_policy.h"
 
 typedef struct {
     const char *host;        /* "127.0.0.1" */

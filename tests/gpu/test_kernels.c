@@ -115,8 +115,8 @@ static void rope_case(int rows, int heads, int kv_heads, int hd) {
     uint16_t *bits = to_bf16_rounding(qkv, n);
     for (int r = 0; r < rows; r++) /* scattered positions; distinct cache rows, shifted as in a batch */
         pos[r] = (r * 37 + 11) % max_pos, cache_row[r] = (r + 2) % cache_rows;
-    cpu_rope_table table;
-    REQUIRE(cpu_rope_table_init(&table, max_pos, hd) == 0);
+    rope_table table;
+    REQUIRE(rope_table_init(&table, max_pos, hd) == 0);
     /* oracle: rotate q and k of each row on the CPU */
     float *ref = malloc(n * 4);
     memcpy(ref, qkv, n * 4);
@@ -142,7 +142,7 @@ static void rope_case(int rows, int heads, int kv_heads, int hd) {
     CHECK(eq <= TOL_BF16_OUT && ek <= TOL_BF16_OUT && ev == 0, "rope %d rows %d/%d heads hd %d: q %.3g k %.3g v %.3g", rows,
           heads, kv_heads, hd, eq, ek, ev);
     free(qkv), free(pos), free(cache_row), free(bits), free(ref), free(got), free(k), free(v);
-    cpu_rope_table_free(&table);
+    rope_table_free(&table);
     cudaFree(dqkv), cudaFree(dk), cudaFree(dv), cudaFree(dpos), cudaFree(drow), cudaFree(dcos), cudaFree(dsin);
 }
 

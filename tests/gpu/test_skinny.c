@@ -134,8 +134,8 @@ static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_nor
             ref[(size_t)i * n + j] = (float)(acc * scale);
         }
     }
-    cpu_rope_table table = {0};
-    REQUIRE(cpu_rope_table_init(&table, max_pos, hd) == 0, "rope table");
+    rope_table table = {0};
+    REQUIRE(rope_table_init(&table, max_pos, hd) == 0, "rope table");
     cpu_rope(ref, m, n, heads, hd, pos, &table);
     cpu_rope(ref + q_dim, m, n, kv_heads, hd, pos, &table);
 
@@ -182,7 +182,7 @@ static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_nor
         CHECK(!memcmp(bits[0][b], bits[1][b], sizes[b] * 2), "rope m %d hd %d k %d: two runs differ", m, hd, k);
     for (int run = 0; run < 2; run++)
         for (int b = 0; b < 3; b++) free(bits[run][b]);
-    cpu_rope_table_free(&table);
+    rope_table_free(&table);
     free(x), free(w), free(ref), free(xb), free(wb), free(pos), free(rows), free(got);
     cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(dk), cudaFree(dv), cudaFree(dpos), cudaFree(drows);
     cudaFree(dcos), cudaFree(dsin);

@@ -8,31 +8,16 @@
  * Decoding treats every byte as hostile: sizes are checked against the bytes present before anything
  * is allocated from them, nesting is bounded, and every failure names the key and the problem.
  */
-#ifndef PI0_IO_MSGPACK_NUMPY_H
-#define PI0_IO_MSGPACK_NUMPY_H
+#ifndef PI0_SERVER_MSGPACK_NUMPY_H
+#define PI0_SERVER_MSGPACK_NUMPY_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "pi0.h"
-
-typedef enum {
-    PI0_DTYPE_BOOL, PI0_DTYPE_U8, PI0_DTYPE_I8, PI0_DTYPE_U16, PI0_DTYPE_I16, PI0_DTYPE_U32, PI0_DTYPE_I32,
-    PI0_DTYPE_U64, PI0_DTYPE_I64, PI0_DTYPE_F16, PI0_DTYPE_F32, PI0_DTYPE_F64,
-} pi0_dtype;
-
-/* Bytes per element; the numpy dtype string ("|b1", "|u1", "<f4", ...; little-endian form). */
-size_t pi0_dtype_size(pi0_dtype dtype);
-const char *pi0_dtype_str(pi0_dtype dtype);
-
-#define PI0_MAX_NDIM 8
-
-typedef enum { PI0_FIELD_ARRAY, PI0_FIELD_STRING } pi0_field_kind;
+#include "pi0_policy.h"
 
 /*
- * One leaf of the observation. Keys of nested maps are joined with "/" from the root, so openpi's flat
- * LIBERO key "observation/image" and ALOHA's nested {"images": {"cam_high": ...}} ("images/cam_high")
- * are looked up the same way.
+ * What a frame decodes to: the policy's observation (pi0_policy.h), nested keys joined with "/".
  *
  * ARRAY: numpy arrays, in their own dtype; numpy scalars, plain msgpack numbers and bools (ndim 0: F64,
  *        I64/U64 or BOOL: a numpy scalar by its kind, float/signed/unsigned/bool, its value checked against
@@ -49,29 +34,9 @@ typedef enum { PI0_FIELD_ARRAY, PI0_FIELD_STRING } pi0_field_kind;
  * Limits, far above real observations: 16 levels of nesting, 2^20 msgpack values (list elements, keys,
  * ...) per frame, 4096 fields, 1024 bytes per joined key path.
  */
-typedef struct {
-    char *key;
-    pi0_field_kind kind;
-    pi0_dtype dtype;
-    int ndim;
-    int64_t shape[PI0_MAX_NDIM];
-    void *data;
-    char *string;
-} pi0_field;
-
-typedef struct {
-    pi0_field *fields;
-    int count;
-} pi0_observation;
-
 /* Decodes one msgpack map. On failure *out is empty and err (PI0_ERR_FORMAT or
  * PI0_ERR_OUT_OF_MEMORY; PI0_ERR_INVALID_ARGUMENT for NULL pointers) says what was wrong and where. */
 pi0_status pi0_observation_decode(const void *data, size_t size, pi0_observation *out, pi0_error *err);
-void pi0_observation_free(pi0_observation *obs);
-/* The field named `key`, or NULL. */
-const pi0_field *pi0_observation_find(const pi0_observation *obs, const char *key);
-/* Number of elements (product of the shape; 1 for ndim 0). */
-int64_t pi0_field_numel(const pi0_field *f);
 
 /*
  * A growable msgpack writer for replies and metadata. Calls after an allocation failure do nothing and
@@ -92,6 +57,10 @@ void pi0_pack_bool(pi0_packer *p, int v);
 void pi0_pack_nil(pi0_packer *p);
 /* A numpy array map as openpi's pack_array writes it (bin keys, str dtype, shape as an array). */
 void pi0_pack_ndarray(pi0_packer *p, pi0_dtype dtype, int ndim, const int64_t *shape, const void *data);
+/* The start of a reply as openpi's server sends it: a map of 2 + extra_pairs entries, the first two
+ * `actions` (float64, (horizon, action_dims)) and `policy_timing` {infer_ms}; the caller packs the
+ * extra pairs (the server's `server_timing`). */
+void pi0_pack_policy_reply(pi0_packer *p, const pi0_policy_result *result, double infer_ms, uint32_t extra_pairs);
 void pi0_packer_free(pi0_packer *p);
 
-#endif
+#endif /* PI0_SERVER_MSGPACK_NUMPY_H */

@@ -7,14 +7,14 @@
  *      no limits, and for every array or map it allocates count * 24 bytes from the count in the header
  *      before reading a single element, so 5 bytes claiming 2^32 elements would ask for 96 GB. After the
  *      scan the tree holds at most MP_MAX_VALUES objects. str and bin payloads are referenced in place.
- *   3. The tree becomes pi0_fields: nested keys joined with "/", numpy maps checked (dtype, shape,
- *      data size) and copied out in host byte order.
+ *   3. The tree becomes the policy's observation (pi0_policy.h): nested keys joined with "/", numpy maps
+ *      checked (dtype, shape, data size) and copied out in host byte order.
  *
  * The scan is the one piece written by hand: msgpack-c's C API has neither limits (its C++ API has
  * unpack_limit) nor a token-level reader we could bound it with, and the scan is a small, exhaustive
  * switch over the 256 header bytes of the msgpack spec.
  */
-#include "io/msgpack_numpy.h"
+#include "server/msgpack_numpy.h"
 
 #include <msgpack.h>
 #include <stdarg.h>
@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "io/safetensors.h"
+#include "policy/observation.h"
 #include "util/error.h"
 
 /* Containers nested in a frame (the observation map is 1; an ndarray's shape inside it is 3). */
@@ -35,31 +36,13 @@
    entries}} would otherwise copy the long key 100k times). */
 #define MP_MAX_FIELDS 4096
 #define MP_MAX_KEY_PATH 1024
-/* Field data alignment: a cache line, and enough for any vector load. */
-#define MP_ALIGN 64
 /* Room for a key path shortened for a message (see shorten). */
 #define MP_SHOWN_PATH 160
 /* Longest piece of a hostile string (a dtype, an unknown field name) quoted in a message. */
 #define MP_QUOTE_MAX 40
 
-static const struct {
-    const char *str; /* numpy's dtype.str on a little-endian host */
-    size_t size;
-    char kind;       /* numpy's dtype.kind */
-} dtype_info[] = {
-    [PI0_DTYPE_BOOL] = {"|b1", 1, 'b'}, [PI0_DTYPE_U8] = {"|u1", 1, 'u'},  [PI0_DTYPE_I8] = {"|i1", 1, 'i'},
-    [PI0_DTYPE_U16] = {"<u2", 2, 'u'},  [PI0_DTYPE_I16] = {"<i2", 2, 'i'}, [PI0_DTYPE_U32] = {"<u4", 4, 'u'},
-    [PI0_DTYPE_I32] = {"<i4", 4, 'i'},  [PI0_DTYPE_U64] = {"<u8", 8, 'u'}, [PI0_DTYPE_I64] = {"<i8", 8, 'i'},
-    [PI0_DTYPE_F16] = {"<f2", 2, 'f'},  [PI0_DTYPE_F32] = {"<f4", 4, 'f'}, [PI0_DTYPE_F64] = {"<f8", 8, 'f'},
-};
-#define NUM_DTYPES ((int)(sizeof dtype_info / sizeof dtype_info[0]))
 #define SUPPORTED_DTYPES "b1, u1, i1, u2, i2, u4, i4, u8, i8, f2, f4, f8"
-
-static int dtype_valid(pi0_dtype dtype) { return (unsigned)dtype < (unsigned)NUM_DTYPES; }
-
-size_t pi0_dtype_size(pi0_dtype dtype) { return dtype_valid(dtype) ? dtype_info[dtype].size : 0; }
-
-const char *pi0_dtype_str(pi0_dtype dtype) { return dtype_valid(dtype) ? dtype_info[dtype].str : "?"; }
+#define NUM_DTYPES ((int)PI0_DTYPE_F64 + 1)
 
 static int host_is_little_endian(void) {
     const uint16_t one = 1;
@@ -120,37 +103,6 @@ static const char *shorten(const char *s, size_t len, size_t head, size_t tail, 
     while (start < len && ((uint8_t)s[start] & 0xc0) == 0x80) start++;
     snprintf(buf, size, "%.*s...%.*s", (int)end, s, (int)(len - start), s + start);
     return buf;
-}
-
-/* An MP_ALIGN-aligned block of at least MP_ALIGN bytes, so that empty arrays have data too. */
-static void *alloc_aligned(size_t bytes) {
-    if (bytes > SIZE_MAX - MP_ALIGN) return NULL;
-    size_t rounded = bytes ? (bytes + MP_ALIGN - 1) / MP_ALIGN * MP_ALIGN : MP_ALIGN;
-    return aligned_alloc(MP_ALIGN, rounded);
-}
-
-/* The element count of a shape; 0 when a dimension is negative or the product of the non-zero
-   dimensions overflows int64 (so callers may multiply any subset of dimensions safely). */
-static int shape_numel(int ndim, const int64_t *shape, uint64_t *numel) {
-    uint64_t product = 1;
-    int has_zero = 0;
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0) return 0;
-        if (shape[i] == 0) {
-            has_zero = 1;
-            continue;
-        }
-        if (product > (uint64_t)INT64_MAX / (uint64_t)shape[i]) return 0;
-        product *= (uint64_t)shape[i];
-    }
-    *numel = has_zero ? 0 : product;
-    return 1;
-}
-
-int64_t pi0_field_numel(const pi0_field *f) {
-    uint64_t numel = 0;
-    if (!f || f->ndim < 0 || f->ndim > PI0_MAX_NDIM || !shape_numel(f->ndim, f->shape, &numel)) return 0;
-    return (int64_t)numel;
 }
 
 /* --- step 1: the header scan ------------------------------------------------------------------- */
@@ -301,7 +253,6 @@ static pi0_status scan_frame(const uint8_t *data, size_t size, pi0_error *err) {
 
 typedef struct {
     pi0_observation obs;
-    int capacity;
     char *path; /* the key path of the value being decoded (MP_MAX_KEY_PATH + 1 bytes once a key is seen) */
     size_t path_len;
     pi0_error *err;
@@ -400,20 +351,13 @@ static pi0_status add_field(decoder *d, pi0_field field) {
         free(field.string);
         return fail_at(d, PI0_ERR_FORMAT, "the observation has more than %d fields", MP_MAX_FIELDS);
     }
-    char *key = strdup(d->path);
-    if (key && d->obs.count == d->capacity) {
-        int cap = d->capacity ? 2 * d->capacity : 16;
-        pi0_field *grown = realloc(d->obs.fields, (size_t)cap * sizeof *grown);
-        if (grown) d->obs.fields = grown, d->capacity = cap;
-    }
-    if (!key || d->obs.count == d->capacity) {
-        free(key);
+    if (!(field.key = strdup(d->path))) {
         free(field.data);
         free(field.string);
         return fail_at(d, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     }
-    field.key = key;
-    d->obs.fields[d->obs.count++] = field;
+    pi0_error inner = {0};
+    if (observation_append(&d->obs, field, &inner)) return fail_at(d, inner.status, "%s", inner.message);
     return PI0_OK;
 }
 
@@ -424,7 +368,7 @@ static pi0_status add_array(decoder *d, pi0_dtype dtype, int ndim, const int64_t
 }
 
 static pi0_status add_scalar(decoder *d, const scalar *s) {
-    void *data = alloc_aligned(sizeof s->v);
+    void *data = observation_alloc_data(sizeof s->v);
     if (!data) return fail_at(d, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     memcpy(data, &s->v, pi0_dtype_size(s->dtype)); /* every member starts at the union's first byte */
     return add_array(d, s->dtype, 0, NULL, data);
@@ -465,7 +409,7 @@ static pi0_status parse_dtype(const decoder *d, const msgpack_object *o, pi0_dty
     size_t size = 0;
     for (; i < len && text[i] >= '0' && text[i] <= '9' && size < 100; i++) size = size * 10 + (text[i] - '0');
     for (int t = 0; t < NUM_DTYPES && i == len; t++) {
-        if (dtype_info[t].kind != kind || dtype_info[t].size != size) continue;
+        if (observation_dtype_kind((pi0_dtype)t) != kind || pi0_dtype_size((pi0_dtype)t) != size) continue;
         int big = order == '>' || (order != '<' && !host_is_little_endian());
         *dtype = (pi0_dtype)t;
         *swap = size > 1 && big == host_is_little_endian();
@@ -498,7 +442,7 @@ static pi0_status parse_shape(const decoder *d, const msgpack_object *o, int *nd
         shape[i] = (int64_t)dim->via.u64;
     }
     char text[200];
-    if (!shape_numel(*ndim, shape, numel))
+    if (!observation_shape_numel(*ndim, shape, numel))
         return fail_at(d, PI0_ERR_FORMAT, "the element count of shape %s overflows",
                        st_shape_str(*ndim, shape, text, sizeof text));
     return PI0_OK;
@@ -566,7 +510,7 @@ static pi0_status decode_ndarray(decoder *d, const msgpack_object_map *map) {
                        "of %zu bytes", bytes, st_shape_str(ndim, shape, text, sizeof text), pi0_dtype_str(dtype),
                        (unsigned long long)numel, itemsize);
     }
-    uint8_t *copy = alloc_aligned(bytes);
+    uint8_t *copy = observation_alloc_data(bytes);
     if (!copy) return fail_at(d, PI0_ERR_OUT_OF_MEMORY, "out of memory for %zu bytes", bytes);
     if (bytes) memcpy(copy, nm.data->via.bin.ptr, bytes);
     if (swap) swap_bytes(copy, numel, itemsize);
@@ -579,7 +523,7 @@ static pi0_status decode_ndarray(decoder *d, const msgpack_object_map *map) {
 /* The range a value of an integer dtype can hold. */
 static void int_range(pi0_dtype dtype, int64_t *min, uint64_t *max) {
     int bits = 8 * (int)pi0_dtype_size(dtype);
-    if (dtype_info[dtype].kind == 'u') {
+    if (observation_dtype_kind(dtype) == 'u') {
         *min = 0;
         *max = bits == 64 ? UINT64_MAX : ((uint64_t)1 << bits) - 1;
     } else {
@@ -598,7 +542,7 @@ static pi0_status decode_npgeneric(const decoder *d, const msgpack_object_map *m
     if (status == PI0_OK) status = parse_dtype(d, nm.dtype, &dtype, &swap);
     if (status != PI0_OK) return status;
     const msgpack_object *v = nm.data;
-    char kind = dtype_info[dtype].kind;
+    char kind = observation_dtype_kind(dtype);
     int is_int = v->type == MSGPACK_OBJECT_POSITIVE_INTEGER || v->type == MSGPACK_OBJECT_NEGATIVE_INTEGER;
     if (kind == 'b' && v->type == MSGPACK_OBJECT_BOOLEAN) {
         *out = (scalar){.dtype = PI0_DTYPE_BOOL, .v.b = v->via.boolean ? 1 : 0};
@@ -655,7 +599,7 @@ static double scalar_to_double(const scalar *s) {
 
 /* A list of numbers (plain, bool, or numpy scalars, as a Python list of np.float32 packs) -> F64, ndim 1. */
 static pi0_status decode_list(decoder *d, const msgpack_object_array *list) {
-    double *values = alloc_aligned((size_t)list->size * sizeof *values); /* size <= MP_MAX_VALUES */
+    double *values = observation_alloc_data((size_t)list->size * sizeof *values); /* size <= MP_MAX_VALUES */
     if (!values) return fail_at(d, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     for (uint32_t i = 0; i < list->size; i++) {
         const msgpack_object *e = &list->ptr[i];
@@ -811,24 +755,6 @@ pi0_status pi0_observation_decode(const void *data, size_t size, pi0_observation
     return PI0_OK;
 }
 
-void pi0_observation_free(pi0_observation *obs) {
-    if (!obs) return;
-    for (int i = 0; i < obs->count; i++) {
-        free(obs->fields[i].key);
-        free(obs->fields[i].data);
-        free(obs->fields[i].string);
-    }
-    free(obs->fields);
-    *obs = (pi0_observation){0};
-}
-
-const pi0_field *pi0_observation_find(const pi0_observation *obs, const char *key) {
-    if (!obs || !key) return NULL;
-    for (int i = 0; i < obs->count; i++)
-        if (strcmp(obs->fields[i].key, key) == 0) return &obs->fields[i];
-    return NULL;
-}
-
 /* --- the packer -------------------------------------------------------------------------------- */
 
 /* msgpack-c's write callback: appends to the growable buffer, or marks the packer failed. */
@@ -913,7 +839,7 @@ void pi0_pack_ndarray(pi0_packer *p, pi0_dtype dtype, int ndim, const int64_t *s
     if (!packer_of(p, &pk)) return;
     size_t itemsize = pi0_dtype_size(dtype);
     uint64_t numel = 0;
-    if (!itemsize || ndim < 0 || ndim > PI0_MAX_NDIM || (ndim && !shape) || !shape_numel(ndim, shape, &numel) ||
+    if (!itemsize || ndim < 0 || ndim > PI0_MAX_NDIM || (ndim && !shape) || !observation_shape_numel(ndim, shape, &numel) ||
         numel > UINT32_MAX / itemsize || (numel && !data)) {
         p->failed = 1; /* a bin holds at most 4 GiB - 1 */
         return;
@@ -934,6 +860,16 @@ void pi0_pack_ndarray(pi0_packer *p, pi0_dtype dtype, int ndim, const int64_t *s
     pack_bin_key(&pk, "shape");
     msgpack_pack_array(&pk, (size_t)ndim);
     for (int i = 0; i < ndim; i++) msgpack_pack_int64(&pk, shape[i]);
+}
+
+void pi0_pack_policy_reply(pi0_packer *p, const pi0_policy_result *r, double infer_ms, uint32_t extra_pairs) {
+    pi0_pack_map(p, 2 + extra_pairs);
+    pi0_pack_str(p, "actions");
+    pi0_pack_ndarray(p, PI0_DTYPE_F64, 2, (int64_t[]){r->horizon, r->action_dims}, r->actions);
+    pi0_pack_str(p, "policy_timing");
+    pi0_pack_map(p, 1);
+    pi0_pack_str(p, "infer_ms");
+    pi0_pack_double(p, infer_ms);
 }
 
 void pi0_packer_free(pi0_packer *p) {
