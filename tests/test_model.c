@@ -1,7 +1,7 @@
 /*
- * test_model.c - the CPU backend against openpi's golden fixtures, and the model-level API:
- * actions at 1, 3 and 10 steps, vision tokens, K/V cache rows, bf16 checkpoints, checkpoint mapping
- * errors, ragged batches and the full-size random model.
+ * test_model.c - the CPU backend against openpi's golden fixtures (Pi0 and Pi0.5), and the model-level
+ * API: actions at 1, 3 and 10 steps, vision tokens, K/V cache rows, bf16 checkpoints, checkpoint mapping
+ * errors and names (LeRobot's), the model kind, ragged batches and the full-size random model.
  */
 #include <stdint.h>
 #include <sys/stat.h>
@@ -118,6 +118,8 @@ static void check_fixture_actions(const char *name) {
 
 TEST(fixture_pi0_tiny_actions) { check_fixture_actions("pi0_tiny"); }
 TEST(fixture_pi0_tiny_h50_actions) { check_fixture_actions("pi0_tiny_h50"); }
+TEST(fixture_pi05_tiny_actions) { check_fixture_actions("pi05_tiny"); }
+TEST(fixture_pi05_tiny_h50_actions) { check_fixture_actions("pi05_tiny_h50"); }
 
 /* Vision tokens of valid cameras and K/V cache rows of valid prefix tokens against the fixture. */
 static void check_fixture_intermediates(const char *name) {
@@ -188,6 +190,8 @@ static void check_fixture_intermediates(const char *name) {
 
 TEST(fixture_pi0_tiny_intermediates) { check_fixture_intermediates("pi0_tiny"); }
 TEST(fixture_pi0_tiny_h50_intermediates) { check_fixture_intermediates("pi0_tiny_h50"); }
+TEST(fixture_pi05_tiny_intermediates) { check_fixture_intermediates("pi05_tiny"); }
+TEST(fixture_pi05_tiny_h50_intermediates) { check_fixture_intermediates("pi05_tiny_h50"); }
 
 static uint32_t bits_of(float x) {
     uint32_t b;
@@ -236,14 +240,18 @@ TEST(bf16_checkpoint_equals_rounded_f32) {
     fixture_close(&bf16);
 }
 
-/* Copies the fixture checkpoint with one tensor renamed, reshaped, retyped or dropped. */
-typedef enum { EDIT_DROP, EDIT_RESHAPE, EDIT_RETYPE, EDIT_PREFIX, EDIT_EXTRA } edit_kind;
+/* Copies a fixture checkpoint with one tensor renamed, reshaped, retyped or dropped; or with LeRobot's
+ * names: a "model." prefix and the embedding stored only as PaliGemma's tied output head. */
+typedef enum { EDIT_DROP, EDIT_RESHAPE, EDIT_RETYPE, EDIT_PREFIX, EDIT_EXTRA, EDIT_LEROBOT } edit_kind;
 
-static int write_edited(const char *dir, edit_kind kind, const char *target) {
+#define EMBED "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+#define TIED_HEAD "paligemma_with_expert.paligemma.lm_head.weight"
+
+static int write_edited_from(const char *fixture_name, const char *dir, edit_kind kind, const char *target) {
     char path[1024];
     pi0_error err = {0};
     st_file src;
-    snprintf(path, sizeof path, "%s/pi0_tiny/model.safetensors", fixtures_dir());
+    snprintf(path, sizeof path, "%s/%s/model.safetensors", fixtures_dir(), fixture_name);
     if (st_open(path, &src, &err)) return -1;
     mkdir(dir, 0755);
     st_writer w;
@@ -254,7 +262,9 @@ static int write_edited(const char *dir, edit_kind kind, const char *target) {
         const st_tensor *t = &src.tensors[i];
         int64_t shape[ST_MAX_RANK];
         memcpy(shape, t->shape, sizeof shape);
-        snprintf(names[i], sizeof names[i], "%s%s", kind == EDIT_PREFIX ? "model." : "", t->name);
+        int lerobot = kind == EDIT_LEROBOT;
+        snprintf(names[i], sizeof names[i], "%s%s", kind == EDIT_PREFIX || lerobot ? "model." : "",
+                 lerobot && !strcmp(t->name, EMBED) ? TIED_HEAD : t->name);
         int is_target = target && !strcmp(t->name, target);
         if (is_target && kind == EDIT_DROP) continue;
         if (is_target && kind == EDIT_RESHAPE) {
@@ -277,7 +287,7 @@ static int write_edited(const char *dir, edit_kind kind, const char *target) {
     st_close(&src);
     /* config.json: copy the fixture's */
     char cfg_src[1024], cfg_dst[1024], buf[4096];
-    snprintf(cfg_src, sizeof cfg_src, "%s/pi0_tiny/config.json", fixtures_dir());
+    snprintf(cfg_src, sizeof cfg_src, "%s/%s/config.json", fixtures_dir(), fixture_name);
     snprintf(cfg_dst, sizeof cfg_dst, "%s/config.json", dir);
     FILE *in = fopen(cfg_src, "rb"), *out = fopen(cfg_dst, "wb");
     size_t n = in ? fread(buf, 1, sizeof buf, in) : 0;
@@ -285,6 +295,10 @@ static int write_edited(const char *dir, edit_kind kind, const char *target) {
     if (in) fclose(in);
     if (out) fclose(out);
     return rc;
+}
+
+static int write_edited(const char *dir, edit_kind kind, const char *target) {
+    return write_edited_from("pi0_tiny", dir, kind, target);
 }
 
 static pi0_status load_dir(const char *dir, pi0_error *err) {
@@ -351,7 +365,8 @@ TEST(checkpoint_not_a_pi0_file) {
     st_writer_add(&w, "some.weight", ST_F32, 1, (int64_t[]){4}, x, &err);
     REQUIRE(st_writer_write(&w, path, &err) == PI0_OK);
     st_writer_free(&w);
-    CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT && strstr(err.message, "not a Pi0 checkpoint"), "%s", err.message);
+    CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT && strstr(err.message, "not a Pi0 or Pi0.5 checkpoint"), "%s",
+          err.message);
 }
 
 TEST(checkpoint_bad_config_json) {
@@ -375,15 +390,16 @@ TEST(checkpoint_bad_config_json) {
 }
 
 /* Each sample of a ragged batch gets the actions it gets alone: masking is per sample. */
-TEST(ragged_batch_equals_single_samples) {
+static void check_ragged_batch(const char *name) {
     fixture f;
-    REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
-    size_t n = actions_len(&f), per = n / 2;
+    REQUIRE(fixture_open(&f, name, NULL) == 0);
+    int B = f.batch.batch;
+    size_t n = actions_len(&f), per = n / B;
     float *together = malloc(n * sizeof(float)), *alone = malloc(per * sizeof(float));
     pi0_error err = {0};
     f.batch.num_steps = 3;
     REQUIRE(pi0_sample_actions(f.model, &f.batch, together, NULL, &err) == PI0_OK, "%s", err.message);
-    for (int b = 0; b < 2; b++) {
+    for (int b = 0; b < B; b++) {
         const float *images[3];
         for (int c = 0; c < 3; c++) images[c] = f.images[c] + (size_t)b * 224 * 224 * 3;
         pi0_batch one = f.batch;
@@ -396,10 +412,74 @@ TEST(ragged_batch_equals_single_samples) {
         one.noise = f.noise + (size_t)b * per;
         REQUIRE(pi0_sample_actions(f.model, &one, alone, NULL, &err) == PI0_OK, "%s", err.message);
         double e = rel_error(together + b * per, alone, per);
-        CHECK(e < 1e-5, "sample %d alone differs from in-batch: %.3g", b, e);
+        CHECK(e < 1e-5, "%s sample %d alone differs from in-batch: %.3g", name, b, e);
     }
     free(together), free(alone);
     fixture_close(&f);
+}
+
+TEST(ragged_batch_equals_single_samples) { check_ragged_batch("pi0_tiny"); }
+TEST(pi05_ragged_batch_equals_single_samples) { check_ragged_batch("pi05_tiny"); }
+
+/* Pi0.5 is told from its tensors, takes 200 prompt tokens when config.json does not say, and does not
+ * read the state (the policy writes it into the prompt). */
+TEST(pi05_kind_defaults_and_no_state) {
+    fixture f;
+    REQUIRE(fixture_open(&f, "pi05_tiny", NULL) == 0);
+    CHECK(pi0_model_dims(f.model)->kind == PI0_MODEL_PI05);
+    size_t n = actions_len(&f);
+    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+    pi0_error err = {0};
+    f.batch.num_steps = 2;
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, a, NULL, &err) == PI0_OK, "%s", err.message);
+    f.batch.state = NULL;
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, b, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(memcmp(a, b, n * sizeof(float)) == 0, "Pi0.5 read the state");
+    free(a), free(b);
+    fixture_close(&f);
+
+    const char *dir = test_path("pi05_no_config_len");
+    REQUIRE(write_edited_from("pi05_tiny", dir, EDIT_EXTRA, NULL) == 0);
+    char path[600];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *fp = fopen(path, "w");
+    fputs("{\"action_dim\": 32, \"dims\": {\"vision\": {\"num_heads\": 4}, \"llm\": {\"head_dim\": 32}, "
+          "\"expert\": {\"head_dim\": 32}}}", fp);
+    fclose(fp);
+    pi0_model *m = NULL;
+    pi0_options opts = {.backend = PI0_BACKEND_CPU};
+    REQUIRE(pi0_model_load(dir, &opts, &m, &err) == PI0_OK, "%s", err.message);
+    CHECK(pi0_model_dims(m)->kind == PI0_MODEL_PI05 && pi0_model_dims(m)->max_token_len == 200, "kind %d, %d tokens",
+          pi0_model_dims(m)->kind, pi0_model_dims(m)->max_token_len);
+    pi0_model_free(m);
+    REQUIRE(write_edited(dir, EDIT_EXTRA, NULL) == 0); /* the same for Pi0: 48 */
+    fp = fopen(path, "w");
+    fputs("{\"action_dim\": 32, \"dims\": {\"vision\": {\"num_heads\": 4}, \"llm\": {\"head_dim\": 32}, "
+          "\"expert\": {\"head_dim\": 32}}}", fp);
+    fclose(fp);
+    REQUIRE(pi0_model_load(dir, &opts, &m, &err) == PI0_OK, "%s", err.message);
+    CHECK(pi0_model_dims(m)->kind == PI0_MODEL_PI0 && pi0_model_dims(m)->max_token_len == 48);
+    pi0_model_free(m);
+}
+
+/* LeRobot's Pi0.5: the same modules under "model.", the embedding only as the tied lm_head: same actions. */
+TEST(pi05_lerobot_names) {
+    const char *dir = test_path("pi05_lerobot");
+    REQUIRE(write_edited_from("pi05_tiny", dir, EDIT_LEROBOT, NULL) == 0);
+    fixture plain, renamed;
+    REQUIRE(fixture_open(&plain, "pi05_tiny", NULL) == 0);
+    REQUIRE(fixture_open(&renamed, "pi05_tiny", dir) == 0);
+    size_t n = actions_len(&plain);
+    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+    pi0_error err = {0};
+    plain.batch.num_steps = renamed.batch.num_steps = 3;
+    REQUIRE(pi0_sample_actions(plain.model, &plain.batch, a, NULL, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_sample_actions(renamed.model, &renamed.batch, b, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(memcmp(a, b, n * sizeof(float)) == 0, "renamed checkpoint differs: %.3g", rel_error(b, a, n));
+    CHECK(pi0_model_dims(renamed.model)->kind == PI0_MODEL_PI05);
+    free(a), free(b);
+    fixture_close(&plain);
+    fixture_close(&renamed);
 }
 
 /* Masked cameras and padded tokens are skipped: garbage in them must not change the actions. */
@@ -519,8 +599,12 @@ int main(int argc, char **argv) {
     check_init(argc, argv);
     RUN(fixture_pi0_tiny_actions);
     RUN(fixture_pi0_tiny_h50_actions);
+    RUN(fixture_pi05_tiny_actions);
+    RUN(fixture_pi05_tiny_h50_actions);
     RUN(fixture_pi0_tiny_intermediates);
     RUN(fixture_pi0_tiny_h50_intermediates);
+    RUN(fixture_pi05_tiny_intermediates);
+    RUN(fixture_pi05_tiny_h50_intermediates);
     RUN(bf16_checkpoint_equals_rounded_f32);
     RUN(checkpoint_missing_tensor_is_named);
     RUN(checkpoint_misshaped_tensor_names_both_shapes);
@@ -529,6 +613,9 @@ int main(int argc, char **argv) {
     RUN(checkpoint_not_a_pi0_file);
     RUN(checkpoint_bad_config_json);
     RUN(ragged_batch_equals_single_samples);
+    RUN(pi05_ragged_batch_equals_single_samples);
+    RUN(pi05_kind_defaults_and_no_state);
+    RUN(pi05_lerobot_names);
     RUN(invalid_tokens_do_not_matter);
     RUN(bad_batches_are_rejected);
     RUN(random_weights_deterministic_and_saveable);

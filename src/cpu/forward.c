@@ -1,10 +1,12 @@
 /*
- * forward.c - Pi0's sample_actions in float32 on the CPU, top to bottom (PI0_SPEC §2-4):
+ * forward.c - sample_actions of Pi0 and Pi0.5 in float32 on the CPU, top to bottom (docs/model.md):
  *
  *   vision:  valid camera images -> SigLIP ViT -> projector -> 256 tokens per image
  *   prefix:  [image tokens, scaled prompt embeddings] -> Gemma LLM -> per-layer K/V cache
- *   denoise: num_steps x (suffix = [state token, action tokens] -> action expert over the cache
- *            -> velocity v; x <- x + dt v)
+ *   denoise: num_steps x (suffix tokens -> action expert over the cache -> velocity v; x <- x + dt v)
+ *            Pi0:   suffix = [state token, action_time_mlp([action_in_proj(x), time_emb(t)])]
+ *            Pi0.5: suffix = action_in_proj(x); the expert's norms are adaptive, conditioned on
+ *                   time_mlp(time_emb(t)), and its residuals gated
  *
  * Every stage works on the packed rows of plan.h: only valid tokens exist.
  */
@@ -17,8 +19,6 @@
 #include "model/flow.h"
 #include "util/clock.h"
 #include "util/error.h"
-
-#define NORM_EPS 1e-6f
 
 /* Scratch of one Gemma block over `rows` rows; sized for the larger of prefix and suffix use. */
 typedef struct {
@@ -52,15 +52,38 @@ typedef struct {
 } gemma_rows;
 
 /*
- * One Gemma block over x (rows, width), in place: x += attn(RMSNorm(x)) Wo; x += MLP(RMSNorm(x)).
+ * What an adaptive norm (Pi0.5's expert) makes of the time conditioning: (scale | shift | gate), W each,
+ * for one step. NULL in a plain Gemma block.
+ */
+typedef const float *norm_mod;
+
+/* RMSNorm of x into out: plain with the layer's (1 + w), or adaptive with (1 + scale) and shift. */
+static void block_norm(float *out, const float *x, int rows, int W, const float *scale_w, norm_mod mod) {
+    if (mod) cpu_rmsnorm_mod(out, x, rows, W, mod, mod + W, NORM_EPS);
+    else cpu_rmsnorm(out, x, rows, W, scale_w, NORM_EPS);
+}
+
+/* x += in W^T, or with an adaptive norm's gate x += gate * (in W^T) (Pi0.5's gated residual); `tmp`
+ * (rows, out_dim) holds the branch in the gated case. */
+static void block_residual(float *x, const float *in, int rows, int in_dim, const float *w, int out_dim, norm_mod mod,
+                           float *tmp) {
+    if (!mod) return cpu_linear_add(x, in, rows, in_dim, w, NULL, out_dim);
+    cpu_linear(tmp, in, rows, in_dim, w, NULL, out_dim);
+    cpu_add_gated(x, tmp, rows, out_dim, mod + 2 * out_dim);
+}
+
+/*
+ * One Gemma block over x (rows, width), in place: x += attn(norm(x)) Wo; x += MLP(norm(x)), with Pi0.5's
+ * adaptive norms and gated residuals when mod_attn / mod_mlp are given (docs/model.md#gemma-block).
  * K and V of these rows are stored into the layer's cache before attention, so the rows attend to
  * whatever the cache already holds (the prefix) and to each other. With kv_only the block stops
  * once its K/V are stored: the prefix pass's last layer has no other use.
  */
 static int gemma_block(const gemma_layer *l, const pi0_stack_dims *d, float *x, const gemma_rows *r, float *cache_k,
-                       float *cache_v, const rope_table *rope, gemma_scratch *s, int kv_only) {
+                       float *cache_v, const rope_table *rope, gemma_scratch *s, int kv_only, norm_mod mod_attn,
+                       norm_mod mod_mlp) {
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
-    cpu_rmsnorm(s->h, x, r->rows, W, l->input_norm, NORM_EPS);
+    block_norm(s->h, x, r->rows, W, l->input_norm, mod_attn);
     cpu_linear(s->q, s->h, r->rows, W, l->q_w, NULL, q_dim);
     cpu_linear(s->k, s->h, r->rows, W, l->k_w, NULL, kv_dim);
     cpu_linear(s->v, s->h, r->rows, W, l->v_w, NULL, kv_dim);
@@ -74,12 +97,12 @@ static int gemma_block(const gemma_layer *l, const pi0_stack_dims *d, float *x, 
     if (cpu_attention(s->att, q_dim, s->q, q_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
                       d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd)))
         return -1;
-    cpu_linear_add(x, s->att, r->rows, q_dim, l->o_w, NULL, W);
-    cpu_rmsnorm(s->h, x, r->rows, W, l->post_attn_norm, NORM_EPS);
+    block_residual(x, s->att, r->rows, q_dim, l->o_w, W, mod_attn, s->h);
+    block_norm(s->h, x, r->rows, W, l->post_attn_norm, mod_mlp);
     cpu_linear(s->gate, s->h, r->rows, W, l->gate_w, NULL, d->mlp_dim);
     cpu_linear(s->up, s->h, r->rows, W, l->up_w, NULL, d->mlp_dim);
     cpu_gelu_mul(s->gate, s->up, (size_t)r->rows * d->mlp_dim);
-    cpu_linear_add(x, s->gate, r->rows, d->mlp_dim, l->down_w, NULL, W);
+    block_residual(x, s->gate, r->rows, d->mlp_dim, l->down_w, W, mod_mlp, s->h);
     return 0;
 }
 
@@ -180,7 +203,7 @@ static pi0_status prefix_forward(const pi0_model *m, const pi0_plan *p, float *x
     gemma_rows r = {p->total_prefix, p->prefix_pos, p->prefix_cache_row, p->prefix_segments, p->batch};
     for (int layer = 0; layer < d->depth; layer++)
         if (gemma_block(&m->weights.llm[layer], d, x, &r, cache_k[layer], cache_v[layer], rope, &s,
-                        layer == d->depth - 1)) {
+                        layer == d->depth - 1, NULL, NULL)) {
             st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in prefix attention");
             break;
         }
@@ -192,69 +215,115 @@ done:
 /* ---- denoise ----------------------------------------------------------------------------------- */
 
 typedef struct {
-    float *suffix;      /* (B (H+1), We) the expert's residual stream */
+    float *suffix;      /* (B S, We) the expert's residual stream; S = suffix_len */
     float *action_emb;  /* (B H, We) */
-    float *mlp_in;      /* (B H, 2 We) [action embedding, time embedding] */
+    float *mlp_in;      /* (B H, 2 We) Pi0: [action embedding, time embedding] */
     float *hidden;      /* (B H, We) */
-    float *state_token; /* (B, We) */
+    float *state_token; /* (B, We) Pi0 */
     float *velocity;    /* (B H, A) */
     float *time_emb;    /* (We) */
+    float *cond;        /* Pi0.5: (2 steps, We): the time MLP's hidden layer, then its output c, per step */
+    float *mods;        /* Pi0.5: (2 depth + 1, steps, 3 We): every adaptive norm's (scale|shift|gate) per step */
     gemma_scratch block;
 } denoise_buffers;
 
 static void denoise_free(denoise_buffers *b) {
     free(b->suffix), free(b->action_emb), free(b->mlp_in), free(b->hidden), free(b->state_token);
-    free(b->velocity), free(b->time_emb);
+    free(b->velocity), free(b->time_emb), free(b->cond), free(b->mods);
     gemma_scratch_free(&b->block);
 }
 
-static int denoise_alloc(denoise_buffers *b, const pi0_dims *d, int B, int H) {
-    size_t We = (size_t)d->expert.width, rows = (size_t)B * (H + 1), actions = (size_t)B * H;
+static int denoise_alloc(denoise_buffers *b, const pi0_dims *d, const pi0_plan *p) {
+    size_t We = (size_t)d->expert.width, rows = (size_t)p->batch * p->suffix_len, actions = (size_t)p->batch * p->horizon;
+    size_t norms = 2 * (size_t)d->expert.depth + 1;
     memset(b, 0, sizeof *b);
     b->suffix = malloc(rows * We * sizeof(float));
     b->action_emb = malloc(actions * We * sizeof(float));
     b->mlp_in = malloc(actions * 2 * We * sizeof(float));
     b->hidden = malloc(actions * We * sizeof(float));
-    b->state_token = malloc((size_t)B * We * sizeof(float));
+    b->state_token = malloc((size_t)p->batch * We * sizeof(float));
     b->velocity = malloc(actions * d->action_dim * sizeof(float));
-    b->time_emb = malloc(We * sizeof(float));
+    b->time_emb = malloc((size_t)p->num_steps * We * sizeof(float));
+    if (d->kind == PI0_MODEL_PI05) {
+        b->cond = malloc(2 * (size_t)p->num_steps * We * sizeof(float));
+        b->mods = malloc(norms * p->num_steps * 3 * We * sizeof(float));
+    }
     return b->suffix && b->action_emb && b->mlp_in && b->hidden && b->state_token && b->velocity && b->time_emb &&
-                   !gemma_scratch_alloc(&b->block, rows, &d->expert)
+                   (d->kind != PI0_MODEL_PI05 || (b->cond && b->mods)) && !gemma_scratch_alloc(&b->block, rows, &d->expert)
                ? 0
                : -1;
 }
 
-/* v(x_t, t): the action expert's velocity for every sample, into b->velocity (B H, A). */
-static int velocity(const pi0_model *m, const pi0_plan *p, const float *x_t, float t, float **cache_k,
-                    float **cache_v, const rope_table *rope, denoise_buffers *b) {
-    const pi0_dims *d = &m->dims;
-    const pi0_weights *w = &m->weights;
-    int We = d->expert.width, A = d->action_dim, H = p->horizon, S = H + 1, actions = p->batch * H;
+/* Adaptive norm n's modulation at `step` (n = 2 layer for the attention's, 2 layer + 1 for the MLP's, 2 depth
+ * for the final norm); NULL for Pi0. */
+static norm_mod step_mod(const denoise_buffers *b, const pi0_dims *d, const pi0_plan *p, int norm, int step) {
+    return b->mods ? b->mods + ((size_t)norm * p->num_steps + step) * 3 * d->expert.width : NULL;
+}
 
-    /* action tokens: action_time_mlp_out(swish(action_time_mlp_in([action_in_proj(x), time_emb(t)]))) */
+/*
+ * Pi0.5's conditioning for every step at once (docs/model.md#conditioning-per-step): it depends on the
+ * flow time only, which every sample shares, so one row per step serves the whole batch.
+ * c = swish(time_mlp_out(swish(time_mlp_in(time_emb(t))))), then each adaptive norm's dense(c).
+ */
+static void pi05_modulations(const pi0_model *m, const pi0_plan *p, const float *times, denoise_buffers *b) {
+    const pi0_weights *w = &m->weights;
+    int We = m->dims.expert.width, depth = m->dims.expert.depth, steps = p->num_steps;
+    float *emb = b->time_emb, *hidden = b->cond, *cond = b->cond + (size_t)steps * We;
+    for (int k = 0; k < steps; k++) time_embedding(times[k], We, emb + (size_t)k * We);
+    cpu_linear(hidden, emb, steps, We, w->time_mlp_in_w, w->time_mlp_in_b, We);
+    cpu_swish_inplace(hidden, (size_t)steps * We);
+    cpu_linear(cond, hidden, steps, We, w->time_mlp_out_w, w->time_mlp_out_b, We);
+    cpu_swish_inplace(cond, (size_t)steps * We);
+    for (int l = 0; l < depth; l++) {
+        const gemma_layer *g = &w->expert[l];
+        cpu_linear(b->mods + (size_t)(2 * l) * steps * 3 * We, cond, steps, We, g->input_norm_dense_w,
+                   g->input_norm_dense_b, 3 * We);
+        cpu_linear(b->mods + (size_t)(2 * l + 1) * steps * 3 * We, cond, steps, We, g->post_norm_dense_w,
+                   g->post_norm_dense_b, 3 * We);
+    }
+    cpu_linear(b->mods + (size_t)(2 * depth) * steps * 3 * We, cond, steps, We, w->expert_norm_dense_w,
+               w->expert_norm_dense_b, 3 * We);
+}
+
+/* Pi0's suffix: [state token, action_time_mlp_out(swish(action_time_mlp_in([action_in_proj(x), time_emb(t)])))]
+ * per sample. */
+static void pi0_suffix(const pi0_model *m, const pi0_plan *p, const float *x_t, float t, denoise_buffers *b) {
+    const pi0_weights *w = &m->weights;
+    int We = m->dims.expert.width, A = m->dims.action_dim, H = p->horizon, S = p->suffix_len, actions = p->batch * H;
     cpu_linear(b->action_emb, x_t, actions, A, w->action_in_w, w->action_in_b, We);
     time_embedding(t, We, b->time_emb);
     for (int i = 0; i < actions; i++) {
         memcpy(b->mlp_in + (size_t)i * 2 * We, b->action_emb + (size_t)i * We, We * sizeof(float));
         memcpy(b->mlp_in + (size_t)i * 2 * We + We, b->time_emb, We * sizeof(float));
     }
-    cpu_linear(b->hidden, b->mlp_in, actions, 2 * We, w->time_in_w, w->time_in_b, We);
+    cpu_linear(b->hidden, b->mlp_in, actions, 2 * We, w->action_time_in_w, w->action_time_in_b, We);
     cpu_swish_inplace(b->hidden, (size_t)actions * We);
-    cpu_linear(b->action_emb, b->hidden, actions, We, w->time_out_w, w->time_out_b, We);
-
-    /* suffix = [state token, action tokens] per sample */
+    cpu_linear(b->action_emb, b->hidden, actions, We, w->action_time_out_w, w->action_time_out_b, We);
     for (int s = 0; s < p->batch; s++) {
         memcpy(b->suffix + (size_t)s * S * We, b->state_token + (size_t)s * We, We * sizeof(float));
         memcpy(b->suffix + ((size_t)s * S + 1) * We, b->action_emb + (size_t)s * H * We, (size_t)H * We * sizeof(float));
     }
-    gemma_rows r = {p->batch * S, p->suffix_pos, p->suffix_cache_row, p->suffix_segments, p->batch};
+}
+
+/* v(x_t, t_step): the action expert's velocity for every sample, into b->velocity (B H, A). */
+static int velocity(const pi0_model *m, const pi0_plan *p, const float *x_t, const float *times, int step,
+                    float **cache_k, float **cache_v, const rope_table *rope, denoise_buffers *b) {
+    const pi0_dims *d = &m->dims;
+    const pi0_weights *w = &m->weights;
+    int We = d->expert.width, A = d->action_dim, actions = p->batch * p->horizon;
+
+    if (d->kind == PI0_MODEL_PI05) cpu_linear(b->suffix, x_t, actions, A, w->action_in_w, w->action_in_b, We);
+    else pi0_suffix(m, p, x_t, times[step], b);
+    gemma_rows r = {p->batch * p->suffix_len, p->suffix_pos, p->suffix_cache_row, p->suffix_segments, p->batch};
     for (int layer = 0; layer < d->expert.depth; layer++)
-        if (gemma_block(&w->expert[layer], &d->expert, b->suffix, &r, cache_k[layer], cache_v[layer], rope, &b->block, 0))
+        if (gemma_block(&w->expert[layer], &d->expert, b->suffix, &r, cache_k[layer], cache_v[layer], rope, &b->block,
+                        0, step_mod(b, d, p, 2 * layer, step), step_mod(b, d, p, 2 * layer + 1, step)))
             return -1;
 
-    /* v = action_out_proj(final_norm(suffix)[1:]) */
+    /* v = action_out_proj(final_norm(the action rows)) */
+    norm_mod final = step_mod(b, d, p, 2 * d->expert.depth, step);
     for (int i = 0; i < actions; i++)
-        cpu_rmsnorm(b->hidden + (size_t)i * We, b->suffix + (size_t)p->action_rows[i] * We, 1, We, w->expert_norm, NORM_EPS);
+        block_norm(b->hidden + (size_t)i * We, b->suffix + (size_t)p->action_rows[i] * We, 1, We, w->expert_norm, final);
     cpu_linear(b->velocity, b->hidden, actions, We, w->action_out_w, w->action_out_b, A);
     return 0;
 }
@@ -265,18 +334,20 @@ static pi0_status denoise(const pi0_model *m, const pi0_plan *p, float **cache_k
     const pi0_dims *d = &m->dims;
     size_t n = (size_t)p->batch * p->horizon * d->action_dim;
     denoise_buffers b;
-    if (denoise_alloc(&b, d, p->batch, p->horizon)) {
+    float dt = -1.0f / (float)p->num_steps, *times = malloc(sizeof(float) * p->num_steps);
+    if (!times || denoise_alloc(&b, d, p)) {
+        free(times);
         denoise_free(&b);
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the denoise loop");
     }
-    cpu_linear(b.state_token, p->state, p->batch, d->action_dim, m->weights.state_proj_w, m->weights.state_proj_b,
-               d->expert.width);
+    flow_times(p->num_steps, times);
+    if (d->kind == PI0_MODEL_PI05) pi05_modulations(m, p, times, &b);
+    else cpu_linear(b.state_token, p->state, p->batch, d->action_dim, m->weights.state_proj_w, m->weights.state_proj_b,
+                    d->expert.width);
     memcpy(actions, p->noise, n * sizeof(float));
-    float dt = -1.0f / (float)p->num_steps, *times = malloc(sizeof(float) * p->num_steps);
-    pi0_status st = times ? PI0_OK : pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the denoise loop");
-    if (times) flow_times(p->num_steps, times);
-    for (int step = 0; times && step < p->num_steps; step++) {
-        if (velocity(m, p, actions, times[step], cache_k, cache_v, rope, &b)) {
+    pi0_status st = PI0_OK;
+    for (int step = 0; step < p->num_steps; step++) {
+        if (velocity(m, p, actions, times, step, cache_k, cache_v, rope, &b)) {
             st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in expert attention");
             break;
         }
@@ -327,7 +398,7 @@ pi0_status cpu_sample_traced(const pi0_model *m, const pi0_plan *p, float *actio
     float **cache_k = alloc_cache(d->llm.depth, cache_floats), **cache_v = alloc_cache(d->llm.depth, cache_floats);
     rope_table rope = {0};
     pi0_status st = PI0_OK;
-    if (!vision_tokens || !x || !cache_k || !cache_v || rope_table_init(&rope, p->max_prefix + p->horizon + 1, d->llm.head_dim)) {
+    if (!vision_tokens || !x || !cache_k || !cache_v || rope_table_init(&rope, p->max_prefix + p->suffix_len, d->llm.head_dim)) {
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a batch of %d (%d prefix tokens)", p->batch,
                       p->total_prefix);
         goto done;

@@ -54,6 +54,24 @@ void cpu_rmsnorm(float *out, const float *in, int rows, int dim, const float *w,
     }
 }
 
+void cpu_rmsnorm_mod(float *out, const float *in, int rows, int dim, const float *scale, const float *shift, float eps) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int r = 0; r < rows; r++) {
+        const float *x = in + (size_t)r * dim;
+        float *y = out + (size_t)r * dim;
+        float sum_sq = 0;
+        for (int j = 0; j < dim; j++) sum_sq += x[j] * x[j];
+        float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+        for (int j = 0; j < dim; j++) y[j] = x[j] * inv * (1.0f + scale[j]) + shift[j];
+    }
+}
+
+void cpu_add_gated(float *x, const float *y, int rows, int dim, const float *gate) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < dim; j++) x[(size_t)r * dim + j] += gate[j] * y[(size_t)r * dim + j];
+}
+
 float cpu_gelu_tanh(float x) {
     const float sqrt_2_over_pi = 0.7978845608028654f;
     return 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * (x + 0.044715f * x * x * x)));

@@ -1,5 +1,5 @@
 /*
- * ops.h - float32 building blocks of the CPU reference backend (PI0_SPEC §2).
+ * ops.h - float32 building blocks of the CPU reference backend (docs/model.md#building-blocks).
  *
  * Matrices are row-major; a Linear weight is PyTorch's (out, in), so y = x W^T + b. GEMMs go to
  * BLAS; everything else is a plain loop written to be read against the spec.
@@ -21,6 +21,10 @@ void cpu_linear_add(float *x, const float *in, int rows, int in_dim, const float
 void cpu_layernorm(float *out, const float *in, int rows, int dim, const float *w, const float *b, float eps);
 /* x / sqrt(mean(x^2) + eps) * (1 + w) per row: Gemma's RMSNorm. */
 void cpu_rmsnorm(float *out, const float *in, int rows, int dim, const float *w, float eps);
+/* x / sqrt(mean(x^2) + eps) * (1 + scale) + shift per row: Pi0.5's adaptive RMSNorm (docs/model.md#adaptive-rmsnorm). */
+void cpu_rmsnorm_mod(float *out, const float *in, int rows, int dim, const float *scale, const float *shift, float eps);
+/* x (rows, dim) += gate * y, gate per column: Pi0.5's gated residual. */
+void cpu_add_gated(float *x, const float *y, int rows, int dim, const float *gate);
 
 float cpu_gelu_tanh(float x);
 void cpu_gelu_inplace(float *x, size_t n);

@@ -18,7 +18,6 @@
 #include "model/flow.h"
 #include "util/error.h"
 
-#define NORM_EPS 1e-6f
 #define ALIGN 256
 
 typedef struct {
@@ -159,8 +158,8 @@ static int time_biases(const pi0_model *m, int steps, float *out) {
     for (int k = 0; k < steps; k++) {
         time_embedding(t[k], We, emb);
         for (int i = 0; i < We; i++) {
-            const float *row = w->time_in_w + (size_t)i * 2 * We;
-            double acc = w->time_in_b[i];
+            const float *row = w->action_time_in_w + (size_t)i * 2 * We;
+            double acc = w->action_time_in_b[i];
             for (int j = 0; j < We; j++) acc += (double)row[We + j] * emb[j] + (double)row[j] * w->action_in_b[j];
             out[(size_t)k * We + i] = (float)acc;
         }

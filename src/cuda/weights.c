@@ -130,7 +130,7 @@ static float *fold_time_in(const pi0_weights *w, int We, int A) {
     for (int i = 0; i < We; i++)
         for (int j = 0; j < A; j++) {
             double acc = 0;
-            for (int k = 0; k < We; k++) acc += (double)w->time_in_w[(size_t)i * 2 * We + k] * w->action_in_w[(size_t)k * A + j];
+            for (int k = 0; k < We; k++) acc += (double)w->action_time_in_w[(size_t)i * 2 * We + k] * w->action_in_w[(size_t)k * A + j];
             fold[(size_t)i * A + j] = (float)acc;
         }
     return fold;
@@ -177,7 +177,7 @@ pi0_status cuda_weights_upload(cuda_state *s, const pi0_model *m, pi0_error *err
     g->expert_norm = UP_F32({w->expert_norm, (size_t)We});
     g->state_proj_w = UP_BF16({w->state_proj_w, (size_t)We * A}), g->state_proj_b = UP_F32({w->state_proj_b, (size_t)We});
     g->time_fold_w = UP_BF16({fold, (size_t)We * A});
-    g->time_out_w = UP_BF16({w->time_out_w, (size_t)We * We}), g->time_out_b = UP_F32({w->time_out_b, (size_t)We});
+    g->time_out_w = UP_BF16({w->action_time_out_w, (size_t)We * We}), g->time_out_b = UP_F32({w->action_time_out_b, (size_t)We});
     g->action_out_w = UP_BF16({w->action_out_w, (size_t)A * We});
     free(fold);
     if (failed || !g->patch_w || !g->patch_b || !g->pos_emb || !g->post_ln_w || !g->post_ln_b || !g->proj_w ||

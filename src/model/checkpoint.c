@@ -7,26 +7,32 @@
 #include <sys/stat.h>
 
 #include "model/config.h"
+#include "model/names.h"
 #include "util/half.h"
 #include "util/error.h"
 
-#define ANCHOR "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
-
-/* The prefix is whatever precedes the anchor tensor's canonical name. */
-static pi0_status find_prefix(const st_file *f, char *prefix, size_t size, const char *path, pi0_error *err) {
-    size_t anchor_len = strlen(ANCHOR);
+/* Whatever precedes `anchor` in the name of a tensor ending with it, into prefix; 0 when none does. */
+static int prefix_before(const st_file *f, const char *anchor, char *prefix, size_t size) {
+    size_t anchor_len = strlen(anchor);
     for (int i = 0; i < f->num_tensors; i++) {
         const char *name = f->tensors[i].name;
         size_t len = strlen(name);
-        if (len >= anchor_len && !strcmp(name + len - anchor_len, ANCHOR)) {
-            if (len - anchor_len >= size) break;
+        if (len >= anchor_len && len - anchor_len < size && !strcmp(name + len - anchor_len, anchor)) {
             memcpy(prefix, name, len - anchor_len);
             prefix[len - anchor_len] = 0;
-            return PI0_OK;
+            return 1;
         }
     }
-    return pi0_fail(err, PI0_ERR_CHECKPOINT, "%s: not a Pi0 checkpoint: no tensor named %s (with any prefix)", path,
-                    ANCHOR);
+    return 0;
+}
+
+/* The name prefix (LeRobot's "model.") is what precedes the embedding, stored as itself or as the output
+ * head tied to it. */
+static pi0_status find_prefix(const st_file *f, char *prefix, size_t size, const char *path, pi0_error *err) {
+    if (prefix_before(f, NAME_EMBEDDING, prefix, size) || prefix_before(f, NAME_TIED_EMBEDDING, prefix, size))
+        return PI0_OK;
+    return pi0_fail(err, PI0_ERR_CHECKPOINT, "%s: not a Pi0 or Pi0.5 checkpoint: no tensor named %s or %s (with any "
+                    "prefix)", path, NAME_EMBEDDING, NAME_TIED_EMBEDDING);
 }
 
 pi0_status checkpoint_open(const char *dir, checkpoint *ck, pi0_error *err) {
@@ -58,7 +64,12 @@ void checkpoint_close(checkpoint *ck) {
 const st_tensor *checkpoint_tensor(const checkpoint *ck, const weight_spec *spec) {
     char name[256];
     snprintf(name, sizeof name, "%s%s", ck->prefix, spec->name);
-    return st_find(&ck->file, name);
+    const st_tensor *t = st_find(&ck->file, name);
+    if (!t && spec->alt_name) {
+        snprintf(name, sizeof name, "%s%s", ck->prefix, spec->alt_name);
+        t = st_find(&ck->file, name);
+    }
+    return t;
 }
 
 int checkpoint_ignored(const char *name) {

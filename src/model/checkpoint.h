@@ -2,8 +2,9 @@
  * checkpoint.h - an openpi PyTorch checkpoint directory (model.safetensors + config.json) mapped
  * onto pi0_weights through the table of weights.h.
  *
- * Names may carry a prefix (LeRobot stores the same modules under "model."); it is found from one
- * anchor tensor. lm_head tensors are ignored (PaliGemma's is tied to the embedding, the expert's is
+ * Names may carry a prefix (LeRobot stores the same modules under "model."); it is found from the
+ * embedding. lm_head tensors are ignored (PaliGemma's is tied to the embedding and serves as it when the
+ * embedding itself is not stored, docs/checkpoints.md#tied-embedding; the expert's is
  * untrained). Every tensor is checked for presence and shape before anything is copied.
  */
 #ifndef PI0_MODEL_CHECKPOINT_H

@@ -7,11 +7,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "model/names.h"
 #include "util/error.h"
 
-#define VISION "paligemma_with_expert.paligemma.model.vision_tower.vision_model."
-#define LLM "paligemma_with_expert.paligemma.model.language_model."
-#define EXPERT "paligemma_with_expert.gemma_expert.model."
 
 pi0_dims pi0_dims_pi0(void) {
     return (pi0_dims){
@@ -25,6 +23,13 @@ pi0_dims pi0_dims_pi0(void) {
         .action_horizon = 50,
         .max_token_len = 48,
     };
+}
+
+pi0_dims pi0_dims_pi05(void) {
+    pi0_dims d = pi0_dims_pi0();
+    d.kind = PI0_MODEL_PI05;
+    d.max_token_len = 200;
+    return d;
 }
 
 /* Head layout of openpi's Gemma variants (gemma.py get_config); the LoRA variants share it. */
@@ -44,6 +49,18 @@ static int64_t dim_of(const st_file *f, const char *prefix, const char *name, in
     snprintf(full, sizeof full, "%s%s", prefix, name);
     const st_tensor *t = st_find(f, full);
     return t && axis < t->rank ? t->shape[axis] : -1;
+}
+
+pi0_model_kind config_model_kind(const st_file *f, const char *prefix) {
+    return dim_of(f, prefix, NAME_PI05_NORM, 0) > 0 || dim_of(f, prefix, NAME_PI05_TIME_MLP, 0) > 0 ? PI0_MODEL_PI05
+                                                                                                  : PI0_MODEL_PI0;
+}
+
+const char *config_model_kind_reason(pi0_model_kind kind) {
+    return kind == PI0_MODEL_PI05
+               ? "the action expert's norms are adaptive (" NAME_PI05_NORM ") and time_mlp_in/out condition them on "
+                 "the flow time"
+               : "plain RMSNorms in the action expert, a state token (state_proj) and action_time_mlp_in/out";
 }
 
 /* Depth of a stack: one more than the highest i of any tensor named prefix+root+"layers.{i}.". Taking
@@ -125,21 +142,21 @@ static pi0_status gemma_heads(pi0_stack_dims *d, int64_t q_rows, int64_t kv_rows
 
 static pi0_status vision_dims(const st_file *f, const char *prefix, pi0_dims *dims, pi0_error *err) {
     pi0_stack_dims *v = &dims->vision;
-    v->width = (int)dim_of(f, prefix, VISION "embeddings.patch_embedding.weight", 0);
-    dims->patch_size = (int)dim_of(f, prefix, VISION "embeddings.patch_embedding.weight", 2);
-    int64_t positions = dim_of(f, prefix, VISION "embeddings.position_embedding.weight", 0);
+    v->width = (int)dim_of(f, prefix, NAME_VISION "embeddings.patch_embedding.weight", 0);
+    dims->patch_size = (int)dim_of(f, prefix, NAME_VISION "embeddings.patch_embedding.weight", 2);
+    int64_t positions = dim_of(f, prefix, NAME_VISION "embeddings.position_embedding.weight", 0);
     if (v->width <= 0 || dims->patch_size <= 0 || positions <= 0)
-        return pi0_fail(err, PI0_ERR_CHECKPOINT, "missing %s" VISION "embeddings.{patch,position}_embedding.weight",
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "missing %s" NAME_VISION "embeddings.{patch,position}_embedding.weight",
                         prefix);
     int64_t grid = (int64_t)llround(sqrt((double)positions));
     if (grid * grid != positions)
         return pi0_fail(err, PI0_ERR_CHECKPOINT, "position_embedding has %lld rows, not a square grid of patches",
                         (long long)positions);
     dims->image_size = (int)grid * dims->patch_size;
-    v->depth = count_layers(f, prefix, VISION "encoder.");
-    v->mlp_dim = (int)dim_of(f, prefix, VISION "encoder.layers.0.mlp.fc1.weight", 0);
+    v->depth = count_layers(f, prefix, NAME_VISION "encoder.");
+    v->mlp_dim = (int)dim_of(f, prefix, NAME_VISION "encoder.layers.0.mlp.fc1.weight", 0);
     if (v->depth == 0 || v->mlp_dim <= 0)
-        return pi0_fail(err, PI0_ERR_CHECKPOINT, "no vision encoder layers (missing %s" VISION "encoder.layers.0.*)",
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "no vision encoder layers (missing %s" NAME_VISION "encoder.layers.0.*)",
                         prefix);
     return PI0_OK;
 }
@@ -203,19 +220,21 @@ static pi0_status apply_config(json_t *cfg, const char *path, pi0_dims *dims, in
 pi0_status config_derive_dims(const st_file *f, const char *prefix, const char *config_path, pi0_dims *dims,
                               pi0_error *err) {
     memset(dims, 0, sizeof *dims);
+    dims->kind = config_model_kind(f, prefix);
     dims->action_horizon = 50;
-    dims->max_token_len = 48;
+    dims->max_token_len = dims->kind == PI0_MODEL_PI05 ? 200 : 48; /* openpi's Pi0Config defaults */
     pi0_status st = vision_dims(f, prefix, dims, err);
     if (st) return st;
     int64_t llm_q, llm_kv, exp_q, exp_kv;
-    if ((st = gemma_dims_from_shapes(f, prefix, LLM, "llm", &dims->llm, &llm_q, &llm_kv, err)) ||
-        (st = gemma_dims_from_shapes(f, prefix, EXPERT, "expert", &dims->expert, &exp_q, &exp_kv, err)))
+    if ((st = gemma_dims_from_shapes(f, prefix, NAME_LLM, "llm", &dims->llm, &llm_q, &llm_kv, err)) ||
+        (st = gemma_dims_from_shapes(f, prefix, NAME_EXPERT, "expert", &dims->expert, &exp_q, &exp_kv, err)))
         return st;
-    dims->vocab_size = (int)dim_of(f, prefix, LLM "embed_tokens.weight", 0);
+    dims->vocab_size = (int)dim_of(f, prefix, NAME_EMBEDDING, 0);
+    if (dims->vocab_size <= 0) dims->vocab_size = (int)dim_of(f, prefix, NAME_TIED_EMBEDDING, 0);
     dims->action_dim = (int)dim_of(f, prefix, "action_in_proj.weight", 1);
     if (dims->vocab_size <= 0 || dims->action_dim <= 0)
-        return pi0_fail(err, PI0_ERR_CHECKPOINT, "missing %s" LLM "embed_tokens.weight or %saction_in_proj.weight",
-                        prefix, prefix);
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "missing %s" NAME_EMBEDDING " (or " NAME_TIED_EMBEDDING
+                        ") or %saction_in_proj.weight", prefix, prefix);
 
     json_t *cfg = NULL;
     if (access(config_path, F_OK) == 0 && !(cfg = load_config(config_path, err))) return err ? err->status : PI0_ERR_FORMAT;
@@ -265,9 +284,11 @@ pi0_status config_write(const pi0_dims *d, const char *path, int bf16, pi0_error
     json_t *dims = json_pack("{s:o,s:o,s:o,s:i,s:i,s:i}", "vision", config_stack_json(&d->vision), "llm",
                              config_stack_json(&d->llm), "expert", config_stack_json(&d->expert), "vocab", d->vocab_size, "patch", d->patch_size,
                              "image_size", d->image_size);
-    json_t *root = json_pack("{s:i,s:i,s:i,s:s,s:s,s:s,s:o}", "action_dim", d->action_dim, "action_horizon",
-                             d->action_horizon, "max_token_len", d->max_token_len, "paligemma_variant", "custom",
-                             "action_expert_variant", "custom", "precision", bf16 ? "bfloat16" : "float32", "dims", dims);
+    /* "model" is for readers and for config_load_dims; loading a checkpoint tells the kind from its tensors */
+    json_t *root = json_pack("{s:s,s:i,s:i,s:i,s:s,s:s,s:s,s:o}", "model", pi0_model_kind_name(d->kind), "action_dim",
+                             d->action_dim, "action_horizon", d->action_horizon, "max_token_len", d->max_token_len,
+                             "paligemma_variant", "custom", "action_expert_variant", "custom", "precision",
+                             bf16 ? "bfloat16" : "float32", "dims", dims);
     if (!root) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot build %s", path);
     int rc = json_dump_file(root, path, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
     json_decref(root);
@@ -286,10 +307,13 @@ static pi0_status stack_from_file(json_t *obj, pi0_stack_dims *d, const char *wh
 pi0_status config_load_dims(const char *path, pi0_dims *dims, pi0_error *err) {
     json_t *cfg = load_config(path, err);
     if (!cfg) return err ? err->status : PI0_ERR_FORMAT;
-    *dims = pi0_dims_pi0();
-    json_t *d = json_object_get(cfg, "dims");
+    json_t *d = json_object_get(cfg, "dims"), *model = json_object_get(cfg, "model");
+    const char *kind = model ? json_string_value(model) : "pi0";
     pi0_status st = PI0_OK;
-    if (!json_is_object(d)) st = pi0_fail(err, PI0_ERR_FORMAT, "%s: no \"dims\" object", path);
+    if (!kind || (strcmp(kind, "pi0") && strcmp(kind, "pi05")))
+        st = pi0_fail(err, PI0_ERR_FORMAT, "%s: \"model\" must be \"pi0\" or \"pi05\"", path);
+    else *dims = strcmp(kind, "pi05") ? pi0_dims_pi0() : pi0_dims_pi05();
+    if (!st && !json_is_object(d)) st = pi0_fail(err, PI0_ERR_FORMAT, "%s: no \"dims\" object", path);
     if (!st) st = stack_from_file(json_object_get(d, "vision"), &dims->vision, "vision", path, err);
     if (!st) st = stack_from_file(json_object_get(d, "llm"), &dims->llm, "llm", path, err);
     if (!st) st = stack_from_file(json_object_get(d, "expert"), &dims->expert, "expert", path, err);

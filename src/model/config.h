@@ -11,6 +11,11 @@
 #include "io/safetensors.h"
 #include "pi0.h"
 
+/* Which model the tensors hold (never config.json or the path): Pi0.5 has adaptive norms in the expert
+ * and time_mlp_in; the reason, for `pi0 inspect`. */
+pi0_model_kind config_model_kind(const st_file *file, const char *prefix);
+const char *config_model_kind_reason(pi0_model_kind kind);
+
 /* `config_path` may name a missing file: defaults (H = 50, 48 prompt tokens) then apply. */
 pi0_status config_derive_dims(const st_file *file, const char *prefix, const char *config_path, pi0_dims *dims,
                               pi0_error *err);
@@ -18,8 +23,8 @@ pi0_status config_derive_dims(const st_file *file, const char *prefix, const cha
 /* Checks that dims describe a model the engine can run. */
 pi0_status dims_validate(const pi0_dims *dims, pi0_error *err);
 
-/* Reads every dim from a config.json-style file (the `dims` block config_write writes; the real Pi0
- * dims fill whatever it leaves out). For building random models of any size. */
+/* Reads every dim from a config.json-style file (the `dims` block config_write writes, and its "model":
+ * "pi0" or "pi05"; the real dims of that model fill whatever it leaves out). For random models of any size. */
 pi0_status config_load_dims(const char *path, pi0_dims *dims, pi0_error *err);
 
 /* {width, depth, mlp_dim, num_heads, num_kv_heads, head_dim} of one stack, as config.json holds it. */

@@ -12,6 +12,9 @@
 #include "model/weights.h"
 #include "pi0.h"
 
+/* Every RMSNorm and LayerNorm of both networks (openpi's 1e-6). */
+#define NORM_EPS 1e-6f
+
 typedef struct pi0_backend_ops {
     const char *name;
     pi0_status (*init)(pi0_model *model, pi0_error *err);

@@ -19,7 +19,7 @@ static pi0_status check_batch(const pi0_dims *dims, const pi0_batch *b, pi0_erro
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "horizon %d is outside 0..%d", b->horizon, PI0_MAX_HORIZON);
     if (b->num_steps < 0 || b->num_steps > PI0_MAX_STEPS)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "num_steps %d is outside 0..%d", b->num_steps, PI0_MAX_STEPS);
-    if (!b->state) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "state is NULL");
+    if (!b->state && dims->kind == PI0_MODEL_PI0) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "state is NULL");
     if (b->num_cameras > 0 && (!b->images || !b->image_masks))
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "images or image_masks is NULL");
     if (b->prompt_len > 0 && (!b->prompt_ids || !b->prompt_mask))
@@ -56,7 +56,7 @@ static int alloc_all(pi0_plan *p, int B, int num_cameras, int prompt_len) {
 
 /* Where each valid token lives and what it attends to (see the top of plan.h). */
 static int layout_tokens(pi0_plan *p) {
-    int S = p->horizon + 1;
+    int S = p->suffix_len, state_token = S - p->horizon; /* 1 for Pi0, 0 for Pi0.5 */
     size_t prefix = (size_t)p->total_prefix + 1, suffix = (size_t)p->batch * S;
     p->prefix_pos = malloc(prefix * sizeof(int));
     p->prefix_cache_row = malloc(prefix * sizeof(int));
@@ -75,10 +75,10 @@ static int layout_tokens(pi0_plan *p) {
             p->suffix_pos[b * S + i] = len + i;
             p->suffix_cache_row[b * S + i] = p->cache_start[b] + len + i;
         }
-        /* the state token (suffix row 0) sees the prefix and itself; action tokens see everything */
+        /* Pi0's state token (suffix row 0) sees the prefix and itself; action tokens see everything */
         p->suffix_segments[b] = (attn_segment){.q_row = b * S, .num_q = S, .k_row = p->cache_start[b], .num_k = len + S,
-                                               .state_keys = len + 1};
-        for (int i = 0; i < p->horizon; i++) p->action_rows[b * p->horizon + i] = b * S + 1 + i;
+                                               .state_keys = state_token ? len + 1 : 0};
+        for (int i = 0; i < p->horizon; i++) p->action_rows[b * p->horizon + i] = b * S + state_token + i;
     }
     return 0;
 }
@@ -90,6 +90,7 @@ pi0_status plan_build(const pi0_dims *dims, const pi0_batch *b, pi0_plan *p, pi0
     int B = b->batch, tokens_per_image = image_tokens(dims);
     p->batch = B;
     p->horizon = b->horizon ? b->horizon : dims->action_horizon;
+    p->suffix_len = p->horizon + (dims->kind == PI0_MODEL_PI0);
     p->num_steps = b->num_steps ? b->num_steps : 10;
     p->state = b->state;
     if (!alloc_all(p, B, b->num_cameras, b->prompt_len)) goto oom;
@@ -111,7 +112,7 @@ pi0_status plan_build(const pi0_dims *dims, const pi0_batch *b, pi0_plan *p, pi0
         p->prefix_len[s] = len;
         p->cache_start[s] = (int)cache_rows;
         prefix_rows += len;
-        cache_rows += len + p->horizon + 1;
+        cache_rows += len + p->suffix_len;
         if (len > p->max_prefix) p->max_prefix = len;
     }
     p->image_start[B] = p->num_images;

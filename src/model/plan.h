@@ -1,14 +1,15 @@
 /*
  * plan.h - which tokens of a batch exist, and where they live.
  *
- * Invalid tokens (masked cameras, prompt padding) affect no valid token (PI0_SPEC §3), so the
+ * Invalid tokens (masked cameras, prompt padding) affect no valid token (docs/masks.md), so the
  * engine drops them before any work: the valid prefix tokens of all samples are packed one sample
  * after another, sample b owning rows [prefix_start[b], prefix_start[b] + prefix_len[b]). Within a
  * sample the order is the valid cameras' 256 tokens each, in camera order, then the valid prompt
  * tokens; positions are row - prefix_start[b], which is exactly cumsum(valid) - 1.
  *
- * The K/V cache of one layer holds, per sample, its prefix rows followed by room for its H + 1
- * suffix rows, so the denoise attention of a sample reads one contiguous range of keys.
+ * The K/V cache of one layer holds, per sample, its prefix rows followed by room for its suffix rows
+ * (Pi0: the state token and H action tokens; Pi0.5: the H action tokens), so the denoise attention of
+ * a sample reads one contiguous range of keys.
  */
 #ifndef PI0_MODEL_PLAN_H
 #define PI0_MODEL_PLAN_H
@@ -29,6 +30,7 @@ typedef struct {
 
 typedef struct {
     int batch, horizon, num_steps;
+    int suffix_len;             /* suffix rows per sample: H + 1 with Pi0's state token, H for Pi0.5 */
     int num_images;             /* valid camera images over the batch */
     const float **images;       /* [num_images], sample-major, camera order */
     int *image_start;           /* [batch + 1]: sample b owns images [image_start[b], image_start[b+1]) */
@@ -37,16 +39,16 @@ typedef struct {
     int *prefix_start, *prefix_len; /* [batch] packed prefix rows */
     int total_prefix;
     int *cache_start;           /* [batch] first K/V cache row of sample b */
-    int cache_rows;             /* sum of prefix_len[b] + horizon + 1 */
+    int cache_rows;             /* sum of prefix_len[b] + suffix_len */
     int max_prefix;
     /* per prefix row (total_prefix): RoPE position and K/V cache row; one attention segment per sample */
     int *prefix_pos, *prefix_cache_row;
     attn_segment *prefix_segments;
-    /* per suffix row (batch (horizon + 1), sample b's state token at b (H+1), its actions after it) */
+    /* per suffix row (batch suffix_len; sample b's rows from b suffix_len: Pi0's state token, then its actions) */
     int *suffix_pos, *suffix_cache_row;
     attn_segment *suffix_segments;
     int *action_rows; /* batch horizon: the suffix row of each action token */
-    const float *state;         /* (B, action_dim) */
+    const float *state;         /* (B, action_dim); Pi0.5 does not read it */
     const float *noise;         /* (B, H, action_dim): the caller's, or noise_owned */
     float *noise_owned;
 } pi0_plan;

@@ -7,13 +7,10 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "model/names.h"
 #include "util/error.h"
 #include "util/rng.h"
 
-#define VISION "paligemma_with_expert.paligemma.model.vision_tower.vision_model."
-#define PROJECTOR "paligemma_with_expert.paligemma.model.multi_modal_projector.linear"
-#define LLM "paligemma_with_expert.paligemma.model.language_model."
-#define EXPERT "paligemma_with_expert.gemma_expert.model."
 
 /* Floats between tensors in the arena are rounded up to 64 bytes. */
 #define ARENA_ALIGN 16
@@ -60,18 +57,34 @@ static void add_vector(spec_list *list, float **slot, weight_init init, int64_t 
     add(list, slot, init, 1, (int64_t[]){n}, "%s", name);
 }
 
-static void add_gemma_stack(spec_list *list, gemma_layer *layers, const pi0_stack_dims *d, const char *root) {
+/* A Gemma norm named `name`: plain (its scale `name`.weight) or adaptive (`name`.dense, (3W, W) + bias). */
+static void add_norm(spec_list *list, float **scale, float **dense_w, float **dense_b, int adaptive, int64_t width,
+                     const char *name) {
+    char full[128];
+    if (adaptive) {
+        snprintf(full, sizeof full, "%s.dense", name);
+        add_linear(list, dense_w, dense_b, 3 * width, width, full);
+    } else {
+        snprintf(full, sizeof full, "%s.weight", name);
+        add_vector(list, scale, INIT_ZERO_MEAN_SCALE, width, full);
+    }
+}
+
+static void add_gemma_stack(spec_list *list, gemma_layer *layers, const pi0_stack_dims *d, const char *root,
+                            int adaptive) {
     char name[128];
     int64_t q = (int64_t)d->num_heads * d->head_dim, kv = (int64_t)d->num_kv_heads * d->head_dim;
     for (int i = 0; i < d->depth; i++) {
         gemma_layer *l = &layers[i];
 #define NAME(suffix) (snprintf(name, sizeof name, "%slayers.%d.%s", root, i, suffix), name)
-        add_vector(list, &l->input_norm, INIT_ZERO_MEAN_SCALE, d->width, NAME("input_layernorm.weight"));
+        add_norm(list, &l->input_norm, &l->input_norm_dense_w, &l->input_norm_dense_b, adaptive, d->width,
+                 NAME("input_layernorm"));
         add_linear(list, &l->q_w, NULL, q, d->width, NAME("self_attn.q_proj"));
         add_linear(list, &l->k_w, NULL, kv, d->width, NAME("self_attn.k_proj"));
         add_linear(list, &l->v_w, NULL, kv, d->width, NAME("self_attn.v_proj"));
         add_linear(list, &l->o_w, NULL, d->width, q, NAME("self_attn.o_proj"));
-        add_vector(list, &l->post_attn_norm, INIT_ZERO_MEAN_SCALE, d->width, NAME("post_attention_layernorm.weight"));
+        add_norm(list, &l->post_attn_norm, &l->post_norm_dense_w, &l->post_norm_dense_b, adaptive, d->width,
+                 NAME("post_attention_layernorm"));
         add_linear(list, &l->gate_w, NULL, d->mlp_dim, d->width, NAME("mlp.gate_proj"));
         add_linear(list, &l->up_w, NULL, d->mlp_dim, d->width, NAME("mlp.up_proj"));
         add_linear(list, &l->down_w, NULL, d->width, d->mlp_dim, NAME("mlp.down_proj"));
@@ -84,12 +97,12 @@ static void add_vision(spec_list *list, pi0_weights *w, const pi0_dims *dims) {
     int64_t p = dims->patch_size, grid = dims->image_size / dims->patch_size;
     char name[128];
     list->part = PART_VISION;
-    add(list, &w->patch_w, INIT_FAN_IN, 4, (int64_t[]){v->width, 3, p, p}, VISION "embeddings.patch_embedding.weight");
-    add_vector(list, &w->patch_b, INIT_BIAS, v->width, VISION "embeddings.patch_embedding.bias");
-    add(list, &w->pos_emb, INIT_BIAS, 2, (int64_t[]){grid * grid, v->width}, VISION "embeddings.position_embedding.weight");
+    add(list, &w->patch_w, INIT_FAN_IN, 4, (int64_t[]){v->width, 3, p, p}, NAME_VISION "embeddings.patch_embedding.weight");
+    add_vector(list, &w->patch_b, INIT_BIAS, v->width, NAME_VISION "embeddings.patch_embedding.bias");
+    add(list, &w->pos_emb, INIT_BIAS, 2, (int64_t[]){grid * grid, v->width}, NAME_VISION "embeddings.position_embedding.weight");
     for (int i = 0; i < v->depth; i++) {
         vit_layer *l = &w->vit[i];
-#define NAME(suffix) (snprintf(name, sizeof name, VISION "encoder.layers.%d.%s", i, suffix), name)
+#define NAME(suffix) (snprintf(name, sizeof name, NAME_VISION "encoder.layers.%d.%s", i, suffix), name)
         add_vector(list, &l->ln1_w, INIT_UNIT_SCALE, v->width, NAME("layer_norm1.weight"));
         add_vector(list, &l->ln1_b, INIT_BIAS, v->width, NAME("layer_norm1.bias"));
         add_linear(list, &l->q_w, &l->q_b, v->width, v->width, NAME("self_attn.q_proj"));
@@ -102,14 +115,15 @@ static void add_vision(spec_list *list, pi0_weights *w, const pi0_dims *dims) {
         add_linear(list, &l->fc2_w, &l->fc2_b, v->width, v->mlp_dim, NAME("mlp.fc2"));
 #undef NAME
     }
-    add_vector(list, &w->post_ln_w, INIT_UNIT_SCALE, v->width, VISION "post_layernorm.weight");
-    add_vector(list, &w->post_ln_b, INIT_BIAS, v->width, VISION "post_layernorm.bias");
+    add_vector(list, &w->post_ln_w, INIT_UNIT_SCALE, v->width, NAME_VISION "post_layernorm.weight");
+    add_vector(list, &w->post_ln_b, INIT_BIAS, v->width, NAME_VISION "post_layernorm.bias");
     list->part = PART_PROJECTOR;
-    add_linear(list, &w->proj_w, &w->proj_b, dims->llm.width, v->width, PROJECTOR);
+    add_linear(list, &w->proj_w, &w->proj_b, dims->llm.width, v->width, NAME_PROJECTOR);
 }
 
 int weights_specs(const pi0_dims *dims, pi0_weights *w, weight_spec **specs) {
-    int max = 8 + 16 * dims->vision.depth + 10 * (dims->llm.depth + dims->expert.depth) + 16;
+    int max = 8 + 16 * dims->vision.depth + 12 * (dims->llm.depth + dims->expert.depth) + 16;
+    int pi05 = dims->kind == PI0_MODEL_PI05;
     spec_list list = {.specs = calloc((size_t)max, sizeof(weight_spec))};
     w->vit = calloc((size_t)dims->vision.depth + 1, sizeof(vit_layer));
     w->llm = calloc((size_t)dims->llm.depth + 1, sizeof(gemma_layer));
@@ -122,19 +136,26 @@ int weights_specs(const pi0_dims *dims, pi0_weights *w, weight_spec **specs) {
 
     add_vision(&list, w, dims);
     list.part = PART_EMBEDDING;
-    add(&list, &w->embed, INIT_FAN_IN, 2, (int64_t[]){dims->vocab_size, dims->llm.width}, LLM "embed_tokens.weight");
+    add(&list, &w->embed, INIT_FAN_IN, 2, (int64_t[]){dims->vocab_size, dims->llm.width}, NAME_EMBEDDING);
+    /* PaliGemma ties its output head to the embedding: a checkpoint may store only the head */
+    list.specs[list.count - 1].alt_name = NAME_TIED_EMBEDDING;
     list.part = PART_LLM;
-    add_gemma_stack(&list, w->llm, &dims->llm, LLM);
-    add_vector(&list, &w->llm_norm, INIT_ZERO_MEAN_SCALE, dims->llm.width, LLM "norm.weight");
+    add_gemma_stack(&list, w->llm, &dims->llm, NAME_LLM, 0);
+    add_vector(&list, &w->llm_norm, INIT_ZERO_MEAN_SCALE, dims->llm.width, NAME_LLM "norm.weight");
     list.part = PART_EXPERT;
-    add_gemma_stack(&list, w->expert, &dims->expert, EXPERT);
-    add_vector(&list, &w->expert_norm, INIT_ZERO_MEAN_SCALE, We, EXPERT "norm.weight");
+    add_gemma_stack(&list, w->expert, &dims->expert, NAME_EXPERT, pi05);
+    add_norm(&list, &w->expert_norm, &w->expert_norm_dense_w, &w->expert_norm_dense_b, pi05, We, NAME_EXPERT "norm");
     list.part = PART_ACTION_HEADS;
-    add_linear(&list, &w->state_proj_w, &w->state_proj_b, We, A, "state_proj");
+    if (!pi05) add_linear(&list, &w->state_proj_w, &w->state_proj_b, We, A, "state_proj");
     add_linear(&list, &w->action_in_w, &w->action_in_b, We, A, "action_in_proj");
     add_linear(&list, &w->action_out_w, &w->action_out_b, A, We, "action_out_proj");
-    add_linear(&list, &w->time_in_w, &w->time_in_b, We, 2 * We, "action_time_mlp_in");
-    add_linear(&list, &w->time_out_w, &w->time_out_b, We, We, "action_time_mlp_out");
+    if (pi05) {
+        add_linear(&list, &w->time_mlp_in_w, &w->time_mlp_in_b, We, We, "time_mlp_in");
+        add_linear(&list, &w->time_mlp_out_w, &w->time_mlp_out_b, We, We, "time_mlp_out");
+    } else {
+        add_linear(&list, &w->action_time_in_w, &w->action_time_in_b, We, 2 * We, "action_time_mlp_in");
+        add_linear(&list, &w->action_time_out_w, &w->action_time_out_b, We, We, "action_time_mlp_out");
+    }
     *specs = list.specs;
     return list.count;
 }

@@ -1,10 +1,10 @@
 /*
- * weights.h - the float32 host copy of every Pi0 parameter, and the one table that names them.
+ * weights.h - the float32 host copy of every parameter, and the one table that names them.
  *
- * weights_specs() lists every tensor the engine uses with its checkpoint name (PI0_SPEC §5), its
- * shape for the given dims, the part of the model it belongs to and the slot that holds it. Loading,
- * random initialisation, saving, `pi0 inspect` and parameter counting all walk this one table, so
- * the checkpoint layout is written down exactly once.
+ * weights_specs() lists every tensor the engine uses for the given dims (Pi0 or Pi0.5) with its
+ * checkpoint name (docs/checkpoints.md#tensor-names), its shape, the part of the model it belongs to
+ * and the slot that holds it. Loading, random initialisation, saving, `pi0 inspect` and parameter
+ * counting all walk this one table, so the checkpoint layout is written down exactly once.
  */
 #ifndef PI0_MODEL_WEIGHTS_H
 #define PI0_MODEL_WEIGHTS_H
@@ -20,11 +20,16 @@ typedef struct {
     float *fc1_w, *fc1_b, *fc2_w, *fc2_b;
 } vit_layer;
 
-/* One Gemma block of either expert. Linear weights are (out, in); no biases. */
+/* One Gemma block of either expert. Linear weights are (out, in); no biases. A norm is either a plain
+ * RMSNorm (its scale, used as 1 + w) or, in Pi0.5's action expert, an adaptive one whose dense layer
+ * maps the time conditioning to (scale | shift | gate) (docs/model.md#adaptive-rmsnorm); the other
+ * pointer is NULL. */
 typedef struct {
-    float *input_norm;                  /* RMSNorm scale, used as (1 + w) */
+    float *input_norm;                  /* (W) RMSNorm scale, or NULL */
+    float *input_norm_dense_w, *input_norm_dense_b; /* (3W, W), (3W) adaptive, or NULL */
     float *q_w, *k_w, *v_w, *o_w;
     float *post_attn_norm;
+    float *post_norm_dense_w, *post_norm_dense_b;
     float *gate_w, *up_w, *down_w;
 } gemma_layer;
 
@@ -41,13 +46,16 @@ typedef struct {
     float *llm_norm;                   /* kept for saving; the prefix pass does not need it */
     /* action expert over the suffix */
     gemma_layer *expert;               /* [expert.depth] */
-    float *expert_norm;
+    float *expert_norm;                /* Pi0: (We) */
+    float *expert_norm_dense_w, *expert_norm_dense_b; /* Pi0.5: (3 We, We), (3 We) */
     /* action heads */
-    float *state_proj_w, *state_proj_b;        /* (We, A) */
     float *action_in_w, *action_in_b;          /* (We, A) */
     float *action_out_w, *action_out_b;        /* (A, We) */
-    float *time_in_w, *time_in_b;              /* (We, 2 We) */
-    float *time_out_w, *time_out_b;            /* (We, We) */
+    float *state_proj_w, *state_proj_b;        /* Pi0: (We, A) */
+    float *action_time_in_w, *action_time_in_b;   /* Pi0: (We, 2 We) over [action token, time embedding] */
+    float *action_time_out_w, *action_time_out_b; /* Pi0: (We, We) */
+    float *time_mlp_in_w, *time_mlp_in_b;      /* Pi0.5: (We, We), the time conditioning's MLP */
+    float *time_mlp_out_w, *time_mlp_out_b;    /* Pi0.5: (We, We) */
     float *arena;                      /* one allocation holding every tensor above */
 } pi0_weights;
 
@@ -63,6 +71,7 @@ typedef enum {
 
 typedef struct {
     char name[128];      /* checkpoint name without any prefix */
+    const char *alt_name; /* another name the same tensor may have (a tied copy), or NULL */
     int rank;
     int64_t shape[4];
     uint64_t numel;
