@@ -1,5 +1,7 @@
 /*
- * backend.h - state of the CUDA backend: weights on the GPU and one captured graph per input shape.
+ * backend.h - the CUDA backend's state, shared by its parts: the weights on the GPU (weights.c), the
+ * forward pass (forward.c, which reads like src/cpu/forward.c) and the captured graphs with their
+ * memory (graph.c).
  */
 #ifndef PI0_CUDA_BACKEND_H
 #define PI0_CUDA_BACKEND_H
@@ -20,8 +22,10 @@ typedef struct {
 } gpu_vit_layer;
 
 typedef struct {
-    float *input_norm, *post_norm;
+    float *input_norm, *post_norm;             /* the LLM's; NULL in the expert (folded into the Linears) */
     pi0_bf16 *qkv_w, *o_w, *gate_up_w, *down_w;
+    pi0_bf16 *input_dense_w, *post_dense_w;    /* Pi0.5's expert: the adaptive norms' (3 We, We) */
+    float *input_dense_b, *post_dense_b;
 } gpu_gemma_layer;
 
 typedef struct {
@@ -32,9 +36,14 @@ typedef struct {
     float *proj_b;
     pi0_bf16 *embed;
     gpu_gemma_layer *llm, *expert;
+    pi0_bf16 *action_out_w;
+    /* Pi0 */
     float *expert_norm;
-    pi0_bf16 *state_proj_w, *time_fold_w, *time_out_w, *action_out_w;
+    pi0_bf16 *state_proj_w, *time_fold_w, *time_out_w;
     float *state_proj_b, *time_out_b;
+    /* Pi0.5 */
+    pi0_bf16 *action_in_w, *expert_norm_dense_w, *time_mlp_in_w, *time_mlp_out_w;
+    float *action_in_b, *expert_norm_dense_b, *time_mlp_in_b, *time_mlp_out_b;
     float *rope_cos, *rope_sin;
 } gpu_weights;
 
@@ -43,7 +52,45 @@ typedef struct {
     int batch, horizon, num_steps, num_images, total_prefix, max_prefix;
 } graph_shape;
 
-typedef struct cuda_graph cuda_graph;
+/* A graph's inputs, at the start of its device block and mirrored in pinned host memory. */
+typedef struct {
+    float *images, *state, *x_t;
+    int *prefix_src, *prefix_pos, *prefix_cache_row, *suffix_pos, *suffix_cache_row, *action_rows;
+    attn_segment *prefix_segments, *suffix_segments;
+} graph_inputs;
+
+/* Scratch of one Gemma stack over `rows` rows: bf16 GEMM inputs and outputs, and Pi0.5's gated branch. */
+typedef struct {
+    pi0_bf16 *h, *qkv, *att, *mlp2, *mlp;
+    float *branch; /* (rows, width): a residual branch before its gate */
+} gemma_buffers;
+
+/* One captured shape: its device block, inputs, per-shape constants, activations and the graph. */
+typedef struct {
+    graph_shape shape;
+    int suffix_len;        /* suffix rows per sample: H + 1 (Pi0's state token) or H */
+    uint64_t last_used;
+    cudaGraphExec_t exec;
+    char *device, *host;   /* one device block; pinned host: inputs, then actions */
+    size_t device_size, inputs_size;
+    graph_inputs in, in_host;
+    float *actions_host;
+    /* per-shape constants (forward.c's step_constants) */
+    attn_segment *vit_segments;
+    float *out_bias;       /* (A) dt * action_out_proj.bias: the Euler step is fused into that GEMM */
+    float *time_bias;      /* Pi0: (steps, We) time half of action_time_mlp_in + folded biases, per step */
+    float *mods;           /* Pi0.5: (2 depth + 1 norms, 3, steps, We): each norm's scale, shift, gate per step */
+    float *qkv_bias, *gate_up_bias; /* Pi0.5: (depth, steps, n): shift . w^T of the QKV and gate|up Linears */
+    float *time_emb;       /* Pi0.5: (steps, We) and the time MLP's hidden layer and output, the same size */
+    /* activations */
+    float *patches, *vit_x, *vision, *x, *suffix, *state_token, *action_tokens;
+    pi0_bf16 *suffix_bf16; /* the suffix rows rounded to bf16: the skinny Linears' input */
+    float *suffix_attn_ws; /* the denoise attention's workspace (pi0_cuda_attention_ws) */
+    size_t suffix_attn_ws_bytes;
+    pi0_bf16 *vit_h, *vit_qkv, *vit_att, *vit_mlp, *cache_k, *cache_v, *time_hidden, *final_h;
+    gemma_buffers prefix, suffix_buffers; /* the LLM's over the prefix rows, the expert's over the suffix */
+    cudaEvent_t events[4]; /* start, vision done, prefix done, end */
+} cuda_graph;
 
 typedef struct {
     gpu_weights w;
@@ -51,7 +98,6 @@ typedef struct {
     cudaStream_t stream;
     cuda_graph *graphs[MAX_GRAPHS];
     uint64_t clock; /* for least-recently-used eviction */
-    int use_graphs;
     int use_skinny; /* skinny.h's Linears for blocks of <= SKINNY_MAX_ROWS rows */
     void **allocations; /* weight buffers, freed at release */
     int num_allocations, max_allocations;
@@ -63,7 +109,9 @@ void *cuda_alloc(cuda_state *s, size_t bytes, pi0_error *err);
 
 pi0_status cuda_weights_upload(cuda_state *s, const pi0_model *m, pi0_error *err);
 
-/* Tests: 0 runs every batch eagerly (no graph), 1 (default) captures one graph per shape. */
-void pi0_cuda_set_graphs(pi0_model *model, int enabled);
+/* forward.c: the per-shape constants a graph's forward pass reads (computed once, when the graph is
+ * made), and the whole sample_actions enqueued on s->stream (eagerly, or into a graph under capture). */
+pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err);
+pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err);
 
 #endif

@@ -100,22 +100,29 @@ static __global__ void layernorm_kernel(__nv_bfloat16 *out, const float *in, int
     for (int j = threadIdx.x; j < dim; j += blockDim.x) out[j] = __float2bfloat16((x[j] - mean) * inv * w[j] + b[j]);
 }
 
-/* RMSNorm with Gemma's (1 + w); w NULL: a factor of 1 (the weight folded into the next Linear). */
+/* RMSNorm with Gemma's (1 + w), plus `shift` when given: Pi0.5's adaptive norm, w being its scale. w NULL:
+ * a factor of 1 (the weight folded into the next Linear). */
 static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const int *in_rows, int dim, const float *w,
-                                      float eps, int in_registers) {
+                                      const float *shift, float eps, int in_registers) {
     int row = in_rows ? in_rows[blockIdx.x] : (int)blockIdx.x;
     const float *x = in + (size_t)row * dim;
     out += (size_t)blockIdx.x * dim;
     if (in_registers) {
         float4 v[NORM_VEC];
         load_row(v, x, dim);
-        store_row(out, v, dim, 0.0f, rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps), w, 1.0f, NULL);
+        store_row(out, v, dim, 0.0f, rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps), w, 1.0f, shift);
         return;
     }
     float sq = 0;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) sq += x[j] * x[j];
     float inv = rsqrtf(block_sum(sq) / (float)dim + eps);
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) out[j] = __float2bfloat16(x[j] * inv * (w ? 1.0f + w[j] : 1.0f));
+    for (int j = threadIdx.x; j < dim; j += blockDim.x)
+        out[j] = __float2bfloat16(x[j] * inv * (w ? 1.0f + w[j] : 1.0f) + (shift ? shift[j] : 0.0f));
+}
+
+static __global__ void add_gated_kernel(float *x, const float *y, const float *gate, size_t n, int dim) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        x[i] += gate[i % dim] * y[i];
 }
 
 /* out[i] = gelu(in[2i]) * in[2i + 1]: the gate|up rows are interleaved (gate_j, up_j), so output i of
@@ -216,9 +223,9 @@ static __global__ void linear_small_k_kernel(void *out, int out_bf16, const floa
 
 static __global__ void assemble_suffix_kernel(float *suffix, __nv_bfloat16 *suffix_bf16, const float *state,
                                               const float *actions, int horizon, int width) {
-    int b = blockIdx.y, i = blockIdx.x; /* i = 0: state token, else action token i - 1 */
-    const float *src = i == 0 ? state + (size_t)b * width : actions + ((size_t)b * horizon + i - 1) * width;
-    size_t row = ((size_t)b * (horizon + 1) + i) * width;
+    int b = blockIdx.y, i = blockIdx.x, first = state != NULL; /* with a state: i = 0 is it, i > 0 action i - 1 */
+    const float *src = first && i == 0 ? state + (size_t)b * width : actions + ((size_t)b * horizon + i - first) * width;
+    size_t row = ((size_t)b * (horizon + first) + i) * width;
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
         suffix[row + j] = src[j];
         if (suffix_bf16) suffix_bf16[row + j] = __float2bfloat16(src[j]);
@@ -250,9 +257,20 @@ cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim
 
 cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *w,
                              float eps, cudaStream_t stream) {
+    return pi0_cuda_rmsnorm_mod(out, in, in_rows, rows, dim, w, NULL, eps, stream);
+}
+
+cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *scale,
+                                 const float *shift, float eps, cudaStream_t stream) {
     if (rows > 0)
-        rmsnorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, in_rows, dim, w, eps,
-                                                         norm_in_registers(dim, in, out, w, NULL));
+        rmsnorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, in_rows, dim, scale, shift, eps,
+                                                         norm_in_registers(dim, in, out, scale, shift));
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_add_gated(float *x, const float *y, const float *gate, int rows, int dim, cudaStream_t stream) {
+    size_t n = (size_t)rows * dim;
+    if (n) add_gated_kernel<<<grid_for(n, 256), 256, 0, stream>>>(x, y, gate, n, dim);
     return cudaGetLastError();
 }
 
@@ -303,7 +321,7 @@ cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, co
 
 cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
                                      int batch, int horizon, int width, cudaStream_t stream) {
-    if (batch > 0) assemble_suffix_kernel<<<dim3((unsigned)horizon + 1, (unsigned)batch), 256, 0, stream>>>(
+    if (batch > 0) assemble_suffix_kernel<<<dim3((unsigned)(horizon + (state != NULL)), (unsigned)batch), 256, 0, stream>>>(
         suffix, as_bf16(suffix_bf16), state, actions, horizon, width);
     return cudaGetLastError();
 }

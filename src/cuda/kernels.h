@@ -1,7 +1,7 @@
 /*
  * kernels.h - the CUDA backend's own kernels (everything but GEMMs and attention), as C launchers.
  *
- * Numerics (PI0_SPEC §2, openpi's bf16 path or better): the residual streams stay float32; norms
+ * Numerics (docs/model.md#precision, openpi's bf16 path or better): the residual streams stay float32; norms
  * compute their statistics in float32 and hand bfloat16 to the GEMMs; RoPE, softmax, GELU and the
  * time MLP run in float32. Every launcher enqueues on `stream` and returns the launch error.
  */
@@ -25,6 +25,13 @@ cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim
  * (it was folded into the next Linear). */
 cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *w,
                              float eps, cudaStream_t stream);
+
+/* The same with Pi0.5's adaptive norm: RMSNorm(in row) * (1 + scale) + shift (docs/model.md#adaptive-rmsnorm). */
+cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *scale,
+                                 const float *shift, float eps, cudaStream_t stream);
+
+/* x (rows, dim) += gate * y, gate per column: Pi0.5's gated residual. */
+cudaError_t pi0_cuda_add_gated(float *x, const float *y, const float *gate, int rows, int dim, cudaStream_t stream);
 
 /* out (rows, mlp) = gelu_tanh(gate) * up, where in (rows, 2 mlp) holds the pairs (gate_j, up_j)
  * interleaved (the fused gate|up weight's row order, see weights.c). */
@@ -56,8 +63,9 @@ cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim
 cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
                                     int rows, int k, int n, int swish, cudaStream_t stream);
 
-/* suffix (B (H+1), W): row b(H+1) = state[b], rows b(H+1)+1+i = actions[b H + i]; also rounded to
- * bf16 into suffix_bf16 unless it is NULL (the input of the skinny Linears, skinny.h). */
+/* suffix (B S, W): with a state (Pi0, S = H + 1) row b S = state[b] and rows b S + 1 + i = actions[b H + i];
+ * without (Pi0.5, state NULL, S = H) rows b S + i = actions[b H + i]. Also rounded to bf16 into suffix_bf16
+ * unless it is NULL (the input of the skinny Linears, skinny.h). */
 cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
                                      int batch, int horizon, int width, cudaStream_t stream);
 

@@ -45,10 +45,12 @@ struct SkinnyParams {
     const uint16_t *x, *w;
     int rms_norm;
     float eps;
+    const float *in_scale, *col_bias;
     int epilogue;
     uint16_t *out;
     float *residual;
     uint16_t *residual_bf16;
+    const float *gate;
     int heads, kv_heads, head_dim;
     const int *positions, *cache_rows;
     const float *rope_cos, *rope_sin;
@@ -71,6 +73,19 @@ __device__ __forceinline__ float sum_squares(uint4 v) {
     for (int i = 0; i < 4; i++) s += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
     return s;
 }
+
+/* The 8 bf16 values of v times 1 + scale[0..8), rounded back to bf16 (Pi0.5's adaptive norm scale). */
+__device__ __forceinline__ uint4 scale_bf16x8(uint4 v, const float *scale) {
+    const float4 s0 = __ldg(reinterpret_cast<const float4 *>(scale)), s1 = __ldg(reinterpret_cast<const float4 *>(scale) + 1);
+    v.x = pack_bf16(bf16_lo(v.x) * (1.f + s0.x), bf16_hi(v.x) * (1.f + s0.y));
+    v.y = pack_bf16(bf16_lo(v.y) * (1.f + s0.z), bf16_hi(v.y) * (1.f + s0.w));
+    v.z = pack_bf16(bf16_lo(v.z) * (1.f + s1.x), bf16_hi(v.z) * (1.f + s1.y));
+    v.w = pack_bf16(bf16_lo(v.w) * (1.f + s1.z), bf16_hi(v.w) * (1.f + s1.w));
+    return v;
+}
+
+/* The bias of output column n (0 without one). */
+__device__ __forceinline__ float col_bias(const SkinnyParams &p, int n) { return p.col_bias ? p.col_bias[n] : 0.f; }
 
 /* Rotates the pair (lo, hi) = columns (i, i + head_dim / 2) of `head` in row m and stores it: q to out,
  * k rotated and v as is to the row's cache row. */
@@ -155,9 +170,14 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
         }
 #pragma unroll
         for (int c = 0; c < C; c++) {
-            if (p.rms_norm) {
+            if (p.rms_norm) { /* the statistics of x itself, before any adaptive scale */
                 ss0 += sum_squares(xa[c]);
                 ss1 += sum_squares(xb[c]);
+            }
+            const int k = kb + c * 32 + t * 8;
+            if (p.in_scale && k < p.k) {
+                xa[c] = scale_bf16x8(xa[c], p.in_scale + k);
+                xb[c] = scale_bf16x8(xb[c], p.in_scale + k);
             }
             const uint32_t a_lo[4] = {xa[c].x, xb[c].x, xa[c].y, xb[c].y};
             const uint32_t a_hi[4] = {xa[c].z, xb[c].z, xa[c].w, xb[c].w};
@@ -199,8 +219,9 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
             const int row = e / half_cols, c = e % half_cols, m = m0 + row;
             if (m >= p.m) continue;
             const float scale = row_scale(p, ss, warps, row);
-            store_rope(p, m, head, i0 + c, column_total<NC>(smem, warps, row, c) * scale,
-                       column_total<NC>(smem, warps, row, c + half_cols) * scale);
+            const int col_lo = head * p.head_dim + i0 + c, col_hi = col_lo + p.head_dim / 2;
+            store_rope(p, m, head, i0 + c, column_total<NC>(smem, warps, row, c) * scale + col_bias(p, col_lo),
+                       column_total<NC>(smem, warps, row, c + half_cols) * scale + col_bias(p, col_hi));
         }
         return;
     }
@@ -210,15 +231,15 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
         const int row = e / per_row, col = (e % per_row) << pairs, m = m0 + row, n = n0 + col;
         if (m >= p.m || n >= p.n) continue;
         const float scale = row_scale(p, ss, warps, row);
-        const float v0 = column_total<NC>(smem, warps, row, col) * scale;
-        const float v1 = pairs ? column_total<NC>(smem, warps, row, col + 1) : 0.f;
+        const float v0 = column_total<NC>(smem, warps, row, col) * scale + col_bias(p, n);
+        const float v1 = pairs ? column_total<NC>(smem, warps, row, col + 1) * scale + col_bias(p, n + 1) : 0.f;
         if (p.epilogue == SKINNY_STORE) {
             p.out[(size_t)m * p.n + n] = __bfloat16_as_ushort(__float2bfloat16(v0));
         } else if (pairs) {
-            p.out[(size_t)m * (p.n / 2) + n / 2] = __bfloat16_as_ushort(__float2bfloat16(gelu_tanh(v0) * (v1 * scale)));
+            p.out[(size_t)m * (p.n / 2) + n / 2] = __bfloat16_as_ushort(__float2bfloat16(gelu_tanh(v0) * v1));
         } else {
             const size_t i = (size_t)m * p.n + n;
-            const float r = p.residual[i] + v0;
+            const float r = p.residual[i] + (p.gate ? p.gate[n] : 1.f) * v0;
             p.residual[i] = r;
             p.residual_bf16[i] = __bfloat16_as_ushort(__float2bfloat16(r));
         }
@@ -260,7 +281,7 @@ cudaError_t launch(const SkinnyParams &p, int warps, cudaStream_t stream) {
 
 extern "C" int pi0_cuda_skinny_supported(const skinny_args *a) {
     if (!a || a->m <= 0 || a->n <= 0 || a->k <= 0 || a->k % 8 || !a->x || !a->w) return 0;
-    if ((uintptr_t)a->x % 16 || (uintptr_t)a->w % 16) return 0;
+    if ((uintptr_t)a->x % 16 || (uintptr_t)a->w % 16 || (uintptr_t)a->in_scale % 16) return 0;
     if ((long long)a->m * a->k > 0x7fffffffLL * 8 || (a->m + 15) / 16 > 65535) return 0;
     switch (a->epilogue) {
     case SKINNY_STORE: return a->out != NULL;
@@ -276,9 +297,9 @@ extern "C" int pi0_cuda_skinny_supported(const skinny_args *a) {
 
 extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream) {
     if (!pi0_cuda_skinny_supported(a)) return cudaErrorInvalidValue;
-    const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->epilogue, a->out, a->residual,
-                            a->residual_bf16, a->heads, a->kv_heads, a->head_dim, a->positions, a->cache_rows,
-                            a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
+    const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,
+                            a->out, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
+                            a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
     const Shape s = choose_shape(a->n, a->k, a->epilogue == SKINNY_ROPE_QKV);
     if (s.chunks == 8) return launch<1, 8>(p, s.warps, stream);
     switch (s.nt) {

@@ -5,11 +5,14 @@
  * x is bf16 with row stride k; w keeps PyTorch's (out, in) layout. The row scale is 1, or with
  * rms_norm the RMSNorm factor 1 / sqrt(mean_k x^2 + eps) of the row: RMSNorm's (1 + weight) is
  * folded into w at load (PI0_SPEC §4) and the per-row factor commutes with the product, so the norm
- * needs no kernel of its own and no extra pass over x. Epilogues:
+ * needs no kernel of its own and no extra pass over x. Pi0.5's adaptive norm, x * r * (1 + scale) + shift
+ * with a per-step scale and shift (docs/model.md#adaptive-rmsnorm), is the same product with x scaled by
+ * (1 + in_scale) column by column before the multiply, and shift . w^T (col_bias, one float per output
+ * column, computed once per shape) added after the row factor. Epilogues:
  *   SKINNY_STORE     out (m, n) bf16
  *   SKINNY_GELU_MUL  out (m, n / 2) bf16 = gelu_tanh(gate) * up, w's rows interleaved (gate_j, up_j)
- *   SKINNY_RESIDUAL  residual (m, n) float32 += result, and residual_bf16 = the new rows in bf16
- *                    (the next skinny layer's x)
+ *   SKINNY_RESIDUAL  residual (m, n) float32 += result (gate * result with a gate vector: Pi0.5's gated
+ *                    residual), and residual_bf16 = the new rows in bf16 (the next skinny layer's x)
  *   SKINNY_ROPE_QKV  a Q|K|V projection (n = (heads + 2 kv_heads) head_dim) with rotate-half RoPE at
  *                    positions[m] on the float32 result: q to out (row stride n; out's k and v
  *                    columns are not written), k and v to row cache_rows[m] of cache_k / cache_v
@@ -39,10 +42,13 @@ typedef struct {
     const pi0_bf16 *x, *w;
     int rms_norm;
     float eps;
+    const float *in_scale;   /* (k) x is multiplied by 1 + in_scale before the product; NULL: not */
+    const float *col_bias;   /* (n) added to the result after the row factor; NULL: none */
     int epilogue;
     pi0_bf16 *out;           /* STORE, GELU_MUL, ROPE_QKV */
     float *residual;         /* RESIDUAL */
     pi0_bf16 *residual_bf16; /* RESIDUAL */
+    const float *gate;       /* RESIDUAL: (n) the result is multiplied by it before the add; NULL: by 1 */
     /* ROPE_QKV */
     int heads, kv_heads, head_dim;       /* head_dim a multiple of 16 */
     const int *positions, *cache_rows;   /* per row */

@@ -2,22 +2,23 @@
  * weights.c - the CUDA backend's copy of the model: bf16 GEMM operands, float32 norms and biases
  * where the output is float32, prepared once at load from the float32 host weights.
  *
- * Load-time rewrites (PI0_SPEC §4, exact up to rounding):
+ * Load-time rewrites (docs/model.md#load-time-rewrites, exact up to rounding):
  *  - Q|K|V and gate|up are fused into one weight each, so a block runs 4 GEMMs instead of 7. The
  *    gate|up rows are interleaved (gate_0, up_0, gate_1, ...), so every kernel that applies
  *    gelu(gate) * up finds each pair side by side.
- *  - In the action expert, each RMSNorm's 1 + w is folded into the Linear after it (in float32,
+ *  - In Pi0's action expert, each RMSNorm's 1 + w is folded into the Linear after it (in float32,
  *    before rounding to bf16): its norms become plain normalizations, which the skinny Linears of
- *    the denoise loop apply as a per-row factor (skinny.h). The VLM keeps its norm weights.
+ *    the denoise loop apply as a per-row factor (skinny.h). The VLM keeps its norm weights; Pi0.5's
+ *    expert keeps its Linears as they are, its adaptive norms' dense layers beside them.
  *  - action_in_proj is folded into the first half of action_time_mlp_in: W_fold = W_a W_in,
  *    so each denoise step maps the 32 action dims straight to the time MLP's hidden layer; the
- *    time half of that layer depends only on the step and is precomputed per graph (backend.c).
+ *    time half of that layer depends only on the step and is precomputed per graph (forward.c).
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/rope.h"
 #include "cuda/backend.h"
+#include "model/rope.h"
 #include "util/half.h"
 #include "util/error.h"
 
@@ -83,21 +84,29 @@ static void *upload(cuda_state *s, const part *parts, int num_parts, int bf16, p
 #define UP_BF16(...) upload(s, (part[]){__VA_ARGS__}, sizeof((part[]){__VA_ARGS__}) / sizeof(part), 1, err)
 #define UP_F32(...) upload(s, (part[]){__VA_ARGS__}, sizeof((part[]){__VA_ARGS__}) / sizeof(part), 0, err)
 
-/* fold_norms: the expert's layout (norm weights folded into QKV and gate|up, input_norm and
- * post_norm NULL). */
-static int upload_gemma(cuda_state *s, gpu_gemma_layer *g, const gemma_layer *l, const pi0_stack_dims *d, int fold_norms,
+/* Where a Gemma stack's norms go: kept as float32 vectors (the LLM), folded into the Linears after them
+ * (Pi0's expert), or adaptive, their dense layers uploaded (Pi0.5's expert). */
+typedef enum { NORMS_KEPT, NORMS_FOLDED, NORMS_ADAPTIVE } norm_layout;
+
+static int upload_gemma(cuda_state *s, gpu_gemma_layer *g, const gemma_layer *l, const pi0_stack_dims *d, norm_layout norms,
                         pi0_error *err) {
     size_t W = (size_t)d->width, q_rows = (size_t)d->num_heads * d->head_dim, kv_rows = (size_t)d->num_kv_heads * d->head_dim;
     size_t mlp = (size_t)d->mlp_dim;
-    const float *in_norm = fold_norms ? l->input_norm : NULL, *post_norm = fold_norms ? l->post_attn_norm : NULL;
+    int fold = norms == NORMS_FOLDED;
+    const float *in_norm = fold ? l->input_norm : NULL, *post_norm = fold ? l->post_attn_norm : NULL;
     float *q = prepare_rows(l->q_w, NULL, q_rows, W, in_norm), *k = prepare_rows(l->k_w, NULL, kv_rows, W, in_norm);
     float *v = prepare_rows(l->v_w, NULL, kv_rows, W, in_norm), *gate_up = prepare_rows(l->gate_w, l->up_w, mlp, W, post_norm);
     int ok = q && k && v && gate_up;
     if (!ok) pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing GPU weights");
-    if (ok && !fold_norms) {
+    if (ok && norms == NORMS_KEPT) {
         g->input_norm = UP_F32({l->input_norm, W});
         g->post_norm = UP_F32({l->post_attn_norm, W});
         ok = g->input_norm && g->post_norm;
+    }
+    if (ok && norms == NORMS_ADAPTIVE) {
+        g->input_dense_w = UP_BF16({l->input_norm_dense_w, 3 * W * W}), g->input_dense_b = UP_F32({l->input_norm_dense_b, 3 * W});
+        g->post_dense_w = UP_BF16({l->post_norm_dense_w, 3 * W * W}), g->post_dense_b = UP_F32({l->post_norm_dense_b, 3 * W});
+        ok = g->input_dense_w && g->input_dense_b && g->post_dense_w && g->post_dense_b;
     }
     if (ok) g->qkv_w = UP_BF16({q, q_rows * W}, {k, kv_rows * W}, {v, kv_rows * W});
     if (ok) g->o_w = UP_BF16({l->o_w, q_rows * W});
@@ -122,7 +131,7 @@ static int upload_vit(cuda_state *s, gpu_vit_layer *g, const vit_layer *l, const
                : -1;
 }
 
-/* W_fold (We, A) = W_a (We, We) . W_in (We, A), in double: the first half of action_time_mlp_in
+/* Pi0: W_fold (We, A) = W_a (We, We) . W_in (We, A), in double: the first half of action_time_mlp_in
  * applied to action_in_proj. */
 static float *fold_time_in(const pi0_weights *w, int We, int A) {
     float *fold = malloc((size_t)We * A * sizeof(float));
@@ -147,22 +156,51 @@ static int upload_rope(cuda_state *s, int head_dim, pi0_error *err) {
     return s->w.rope_cos && s->w.rope_sin ? 0 : -1;
 }
 
+/* The action heads and the expert's final norm: Pi0's (state token, the folded action-time MLP) or
+ * Pi0.5's (action_in_proj, the time conditioning's MLP, an adaptive final norm). */
+static int upload_heads(cuda_state *s, const pi0_model *m, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    const pi0_weights *w = &m->weights;
+    gpu_weights *g = &s->w;
+    size_t We = (size_t)d->expert.width, A = (size_t)d->action_dim;
+    g->action_out_w = UP_BF16({w->action_out_w, A * We});
+    if (d->kind == PI0_MODEL_PI05) {
+        g->action_in_w = UP_BF16({w->action_in_w, We * A}), g->action_in_b = UP_F32({w->action_in_b, We});
+        g->time_mlp_in_w = UP_BF16({w->time_mlp_in_w, We * We}), g->time_mlp_in_b = UP_F32({w->time_mlp_in_b, We});
+        g->time_mlp_out_w = UP_BF16({w->time_mlp_out_w, We * We}), g->time_mlp_out_b = UP_F32({w->time_mlp_out_b, We});
+        g->expert_norm_dense_w = UP_BF16({w->expert_norm_dense_w, 3 * We * We});
+        g->expert_norm_dense_b = UP_F32({w->expert_norm_dense_b, 3 * We});
+        return g->action_out_w && g->action_in_w && g->action_in_b && g->time_mlp_in_w && g->time_mlp_in_b &&
+                       g->time_mlp_out_w && g->time_mlp_out_b && g->expert_norm_dense_w && g->expert_norm_dense_b
+                   ? 0
+                   : -1;
+    }
+    float *fold = fold_time_in(w, (int)We, (int)A);
+    if (!fold) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing GPU weights"), -1;
+    g->expert_norm = UP_F32({w->expert_norm, We});
+    g->state_proj_w = UP_BF16({w->state_proj_w, We * A}), g->state_proj_b = UP_F32({w->state_proj_b, We});
+    g->time_fold_w = UP_BF16({fold, We * A});
+    g->time_out_w = UP_BF16({w->action_time_out_w, We * We}), g->time_out_b = UP_F32({w->action_time_out_b, We});
+    free(fold);
+    return g->action_out_w && g->expert_norm && g->state_proj_w && g->state_proj_b && g->time_fold_w && g->time_out_w &&
+                   g->time_out_b
+               ? 0
+               : -1;
+}
+
 pi0_status cuda_weights_upload(cuda_state *s, const pi0_model *m, pi0_error *err) {
     const pi0_dims *d = &m->dims;
     const pi0_weights *w = &m->weights;
     gpu_weights *g = &s->w;
-    int Dv = d->vision.width, D = d->llm.width, We = d->expert.width, A = d->action_dim;
+    int Dv = d->vision.width, D = d->llm.width;
     int P = image_tokens(d), patch_dim = 3 * d->patch_size * d->patch_size;
     s->max_allocations = 64 + 16 * d->vision.depth + 8 * (d->llm.depth + d->expert.depth);
     s->allocations = calloc((size_t)s->max_allocations, sizeof(void *));
     g->vit = calloc((size_t)d->vision.depth, sizeof *g->vit);
     g->llm = calloc((size_t)d->llm.depth, sizeof *g->llm);
     g->expert = calloc((size_t)d->expert.depth, sizeof *g->expert);
-    float *fold = fold_time_in(w, We, A);
-    if (!s->allocations || !g->vit || !g->llm || !g->expert || !fold) {
-        free(fold);
+    if (!s->allocations || !g->vit || !g->llm || !g->expert)
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing GPU weights");
-    }
     int failed = 0;
     g->patch_w = UP_F32({w->patch_w, (size_t)Dv * patch_dim}); /* openpi embeds patches in float32 */
     g->patch_b = UP_F32({w->patch_b, (size_t)Dv});
@@ -171,18 +209,12 @@ pi0_status cuda_weights_upload(cuda_state *s, const pi0_model *m, pi0_error *err
     g->post_ln_w = UP_F32({w->post_ln_w, (size_t)Dv}), g->post_ln_b = UP_F32({w->post_ln_b, (size_t)Dv});
     g->proj_w = UP_BF16({w->proj_w, (size_t)D * Dv}), g->proj_b = UP_F32({w->proj_b, (size_t)D});
     g->embed = UP_BF16({w->embed, (size_t)d->vocab_size * D});
-    for (int l = 0; l < d->llm.depth && !failed; l++) failed = upload_gemma(s, &g->llm[l], &w->llm[l], &d->llm, 0, err);
+    for (int l = 0; l < d->llm.depth && !failed; l++) failed = upload_gemma(s, &g->llm[l], &w->llm[l], &d->llm, NORMS_KEPT, err);
+    norm_layout expert_norms = d->kind == PI0_MODEL_PI05 ? NORMS_ADAPTIVE : NORMS_FOLDED;
     for (int l = 0; l < d->expert.depth && !failed; l++)
-        failed = upload_gemma(s, &g->expert[l], &w->expert[l], &d->expert, 1, err);
-    g->expert_norm = UP_F32({w->expert_norm, (size_t)We});
-    g->state_proj_w = UP_BF16({w->state_proj_w, (size_t)We * A}), g->state_proj_b = UP_F32({w->state_proj_b, (size_t)We});
-    g->time_fold_w = UP_BF16({fold, (size_t)We * A});
-    g->time_out_w = UP_BF16({w->action_time_out_w, (size_t)We * We}), g->time_out_b = UP_F32({w->action_time_out_b, (size_t)We});
-    g->action_out_w = UP_BF16({w->action_out_w, (size_t)A * We});
-    free(fold);
+        failed = upload_gemma(s, &g->expert[l], &w->expert[l], &d->expert, expert_norms, err);
     if (failed || !g->patch_w || !g->patch_b || !g->pos_emb || !g->post_ln_w || !g->post_ln_b || !g->proj_w ||
-        !g->proj_b || !g->embed || !g->expert_norm || !g->state_proj_w || !g->state_proj_b || !g->time_fold_w ||
-        !g->time_out_w || !g->time_out_b || !g->action_out_w || upload_rope(s, d->llm.head_dim, err))
-        return err ? err->status : PI0_ERR_BACKEND;
+        !g->proj_b || !g->embed || upload_heads(s, m, err) || upload_rope(s, d->llm.head_dim, err))
+        return err && err->status ? err->status : PI0_ERR_BACKEND;
     return PI0_OK;
 }

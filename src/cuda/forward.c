@@ -1,0 +1,380 @@
+/*
+ * forward.c - sample_actions of Pi0 and Pi0.5 on an NVIDIA GPU, top to bottom: the forward pass of
+ * src/cpu/forward.c, function for function, with bf16 GEMMs through cuBLASLt (or skinny.h's fused
+ * Linears for the denoise loop's few rows) and our own kernels for everything else
+ * (docs/model.md#precision for where it rounds). Everything is enqueued on the backend's stream; graph.c
+ * runs it eagerly or records it into a CUDA graph, and owns the memory it works in (backend.h).
+ *
+ *   vision:  valid camera images -> SigLIP ViT -> projector -> 256 tokens per image
+ *   prefix:  [image tokens, scaled prompt embeddings] -> Gemma LLM -> per-layer K/V cache
+ *   denoise: num_steps x (suffix tokens -> action expert over the cache -> x += dt v, fused into
+ *            action_out_proj's GEMM)
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/attention.h"
+#include "cuda/backend.h"
+#include "cuda/skinny.h"
+#include "model/flow.h"
+#include "util/error.h"
+
+#define CUDA_TRY(call)                                                                                        \
+    do {                                                                                                      \
+        cudaError_t e_ = (call);                                                                              \
+        if (e_ != cudaSuccess) return pi0_fail(err, PI0_ERR_BACKEND, "%s: %s", #call, cudaGetErrorString(e_)); \
+    } while (0)
+#define TRY(call)                                \
+    do {                                         \
+        pi0_status st_ = (call);                 \
+        if (st_) return st_;                     \
+    } while (0)
+
+static pi0_status gemm(cuda_state *s, gemm_args a, pi0_error *err) {
+    return gemm_run(&s->gemm, &a, s->stream, err);
+}
+
+static pi0_status skinny(const skinny_args *a, cudaStream_t stream, pi0_error *err) {
+    cudaError_t e = pi0_cuda_skinny_linear(a, stream);
+    if (e) return pi0_fail(err, PI0_ERR_BACKEND, "skinny linear (%d x %d x %d): %s", a->m, a->n, a->k, cudaGetErrorString(e));
+    return PI0_OK;
+}
+
+/* ---- the Gemma block ----------------------------------------------------------------------------- */
+
+/* Rows that run through a Gemma stack, and where their K/V go. */
+typedef struct {
+    int rows, num_segments, max_q;
+    const int *positions, *cache_rows;
+    const attn_segment *segments;
+    float *x;
+    pi0_bf16 *x_bf16; /* x rounded to bf16, kept by the skinny path; NULL: the stack has no skinny path */
+    const gemma_buffers *b;
+    float *attn_ws;   /* attention workspace (NULL: none) */
+    size_t attn_ws_bytes;
+} gemma_rows;
+
+/* What one of Pi0.5's adaptive norms makes of this step's time conditioning (docs/model.md#adaptive-rmsnorm):
+ * scale, shift and gate (We each), and shift . w^T of the Linear the norm feeds (the skinny path's bias). */
+typedef struct {
+    const float *scale, *shift, *gate, *linear_bias;
+} norm_mod;
+
+/* A block's two norms; NULL for a plain Gemma block (Pi0, and every LLM block). */
+typedef struct {
+    norm_mod attn, mlp;
+} block_mods;
+
+/* The expert's block over a few rows (a batch-1 denoise step): 4 skinny Linears (skinny.h) with the
+ * norms (Pi0: folded at load; Pi0.5: scale and shift applied inside), RoPE and the K/V cache writes, and
+ * gelu x up inside them, the (gated) residual adds in their epilogues, which also keep x_bf16 current for
+ * the next Linear. 5 launches (6 with the attention's merge) instead of gemma_block's 10. */
+static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, const pi0_stack_dims *d, const gemma_rows *r,
+                                     pi0_bf16 *cache_k, pi0_bf16 *cache_v, const block_mods *mods, pi0_error *err) {
+    int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
+    int qkv_dim = q_dim + 2 * kv_dim;
+    const gemma_buffers *b = r->b;
+    const norm_mod none = {0}, *attn = mods ? &mods->attn : &none, *mlp = mods ? &mods->mlp : &none;
+    TRY(skinny(&(skinny_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->x_bf16, .w = l->qkv_w, .rms_norm = 1,
+                              .eps = NORM_EPS, .in_scale = attn->scale, .col_bias = attn->linear_bias,
+                              .epilogue = SKINNY_ROPE_QKV, .out = b->qkv, .heads = d->num_heads,
+                              .kv_heads = d->num_kv_heads, .head_dim = hd, .positions = r->positions,
+                              .cache_rows = r->cache_rows, .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin,
+                              .cache_k = cache_k, .cache_v = cache_v}, s->stream, err));
+    CUDA_TRY(pi0_cuda_attention_ws(b->att, q_dim, b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
+                                   r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd), r->attn_ws,
+                                   r->attn_ws_bytes, s->stream));
+    TRY(skinny(&(skinny_args){.m = r->rows, .n = W, .k = q_dim, .x = b->att, .w = l->o_w, .epilogue = SKINNY_RESIDUAL,
+                              .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate}, s->stream, err));
+    TRY(skinny(&(skinny_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->x_bf16, .w = l->gate_up_w, .rms_norm = 1,
+                              .eps = NORM_EPS, .in_scale = mlp->scale, .col_bias = mlp->linear_bias,
+                              .epilogue = SKINNY_GELU_MUL, .out = b->mlp}, s->stream, err));
+    TRY(skinny(&(skinny_args){.m = r->rows, .n = W, .k = d->mlp_dim, .x = b->mlp, .w = l->down_w, .epilogue = SKINNY_RESIDUAL,
+                              .residual = r->x, .residual_bf16 = r->x_bf16, .gate = mlp->gate}, s->stream, err));
+    return PI0_OK;
+}
+
+/* The norm before a Linear into b->h: plain RMSNorm with (1 + w) (w NULL: folded away), or adaptive. */
+static pi0_status block_norm(cuda_state *s, const gemma_rows *r, int W, const float *w, const norm_mod *mod, pi0_error *err) {
+    if (mod) CUDA_TRY(pi0_cuda_rmsnorm_mod(r->b->h, r->x, NULL, r->rows, W, mod->scale, mod->shift, NORM_EPS, s->stream));
+    else CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, w, NORM_EPS, s->stream));
+    return PI0_OK;
+}
+
+/* x += in w^T (the residual add fused into the GEMM), or Pi0.5's x += gate * (in w^T). */
+static pi0_status block_residual(cuda_state *s, const gemma_rows *r, const pi0_bf16 *in, const pi0_bf16 *w, int W, int k,
+                                 const norm_mod *mod, pi0_error *err) {
+    if (!mod)
+        return gemm(s, (gemm_args){.m = r->rows, .n = W, .k = k, .x = in, .w = w, .out = r->x, .out_f32 = 1, .alpha = 1,
+                                   .beta = 1}, err);
+    TRY(gemm(s, (gemm_args){.m = r->rows, .n = W, .k = k, .x = in, .w = w, .out = r->b->branch, .out_f32 = 1, .alpha = 1},
+             err));
+    CUDA_TRY(pi0_cuda_add_gated(r->x, r->b->branch, mod->gate, r->rows, W, s->stream));
+    return PI0_OK;
+}
+
+/* x += attn(norm(x)) Wo; x += MLP(norm(x)), Pi0.5's adaptive norms and gated residuals with `mods`
+ * (docs/model.md#gemma-block); K/V go to the layer's cache first. With kv_only the block stops there. */
+static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0_stack_dims *d, const gemma_rows *r,
+                              pi0_bf16 *cache_k, pi0_bf16 *cache_v, int kv_only, const block_mods *mods, pi0_error *err) {
+    int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
+    int qkv_dim = q_dim + 2 * kv_dim;
+    if (r->x_bf16 && s->use_skinny && r->rows <= SKINNY_MAX_ROWS && !kv_only)
+        return gemma_block_skinny(s, l, d, r, cache_k, cache_v, mods, err);
+    TRY(block_norm(s, r, W, l->input_norm, mods ? &mods->attn : NULL, err));
+    TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));
+    CUDA_TRY(pi0_cuda_rope_qkv(r->b->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
+                               cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
+    if (kv_only) return PI0_OK;
+    CUDA_TRY(pi0_cuda_attention_ws(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
+                                   r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
+                                   r->attn_ws, r->attn_ws_bytes, s->stream));
+    TRY(block_residual(s, r, r->b->att, l->o_w, W, q_dim, mods ? &mods->attn : NULL, err));
+    TRY(block_norm(s, r, W, l->post_norm, mods ? &mods->mlp : NULL, err));
+    TRY(gemm(s, (gemm_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->b->h, .w = l->gate_up_w, .out = r->b->mlp2,
+                            .alpha = 1}, err));
+    CUDA_TRY(pi0_cuda_gelu_mul(r->b->mlp, r->b->mlp2, r->rows, d->mlp_dim, s->stream));
+    return block_residual(s, r, r->b->mlp, l->down_w, W, d->mlp_dim, mods ? &mods->mlp : NULL, err);
+}
+
+/* ---- vision -------------------------------------------------------------------------------------- */
+
+/* SigLIP over the graph's valid images, then the projector: g->vision is (num_images * P, llm width). */
+static pi0_status vision_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    const pi0_stack_dims *v = &d->vision;
+    const gpu_weights *w = &s->w;
+    int n = g->shape.num_images, P = image_tokens(d), rows = n * P, Dv = v->width;
+    int patch_dim = 3 * d->patch_size * d->patch_size;
+    if (n == 0) return PI0_OK;
+    CUDA_TRY(pi0_cuda_im2col(g->patches, g->in.images, n, d->image_size, d->patch_size, s->stream));
+    TRY(gemm(s, (gemm_args){.m = rows, .n = Dv, .k = patch_dim, .x = g->patches, .w = w->patch_w, .out = g->vit_x,
+                            .out_f32 = 1, .f32_inputs = 1, .alpha = 1}, err));
+    CUDA_TRY(pi0_cuda_add_bias_pos(g->vit_x, w->patch_b, w->pos_emb, rows, P, Dv, s->stream));
+    for (int layer = 0; layer < v->depth; layer++) {
+        const gpu_vit_layer *l = &w->vit[layer];
+        CUDA_TRY(pi0_cuda_layernorm(g->vit_h, g->vit_x, rows, Dv, l->ln1_w, l->ln1_b, NORM_EPS, s->stream));
+        TRY(gemm(s, (gemm_args){.m = rows, .n = 3 * Dv, .k = Dv, .x = g->vit_h, .w = l->qkv_w, .bias = l->qkv_b,
+                                .out = g->vit_qkv, .alpha = 1}, err));
+        CUDA_TRY(pi0_cuda_attention(g->vit_att, Dv, g->vit_qkv, 3 * Dv, g->vit_qkv + Dv, g->vit_qkv + 2 * Dv, 3 * Dv,
+                                    g->vit_segments, n, P, v->num_heads, v->num_heads, v->head_dim,
+                                    1.0f / sqrtf((float)v->head_dim), s->stream));
+        TRY(gemm(s, (gemm_args){.m = rows, .n = Dv, .k = Dv, .x = g->vit_att, .w = l->o_w, .bias = l->o_b, .out = g->vit_x,
+                                .out_f32 = 1, .alpha = 1, .beta = 1}, err));
+        CUDA_TRY(pi0_cuda_layernorm(g->vit_h, g->vit_x, rows, Dv, l->ln2_w, l->ln2_b, NORM_EPS, s->stream));
+        TRY(gemm(s, (gemm_args){.m = rows, .n = v->mlp_dim, .k = Dv, .x = g->vit_h, .w = l->fc1_w, .bias = l->fc1_b,
+                                .gelu = 1, .out = g->vit_mlp, .alpha = 1}, err));
+        TRY(gemm(s, (gemm_args){.m = rows, .n = Dv, .k = v->mlp_dim, .x = g->vit_mlp, .w = l->fc2_w, .bias = l->fc2_b,
+                                .out = g->vit_x, .out_f32 = 1, .alpha = 1, .beta = 1}, err));
+    }
+    CUDA_TRY(pi0_cuda_layernorm(g->vit_h, g->vit_x, rows, Dv, w->post_ln_w, w->post_ln_b, NORM_EPS, s->stream));
+    TRY(gemm(s, (gemm_args){.m = rows, .n = d->llm.width, .k = Dv, .x = g->vit_h, .w = w->proj_w, .bias = w->proj_b,
+                            .out = g->vision, .out_f32 = 1, .alpha = 1}, err));
+    return PI0_OK;
+}
+
+/* ---- prefix -------------------------------------------------------------------------------------- */
+
+static size_t cache_layer_elems(const pi0_model *m, const cuda_graph *g) {
+    return ((size_t)g->shape.total_prefix + (size_t)g->shape.batch * g->suffix_len) * m->dims.llm.num_kv_heads *
+           m->dims.llm.head_dim;
+}
+
+/* The LLM over every valid prefix token ([image tokens, prompt embeddings * sqrt(width)]), filling each
+ * layer's K/V cache; nothing else is kept. */
+static pi0_status prefix_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
+    const pi0_stack_dims *d = &m->dims.llm;
+    size_t cache_layer = cache_layer_elems(m, g);
+    CUDA_TRY(pi0_cuda_assemble_prefix(g->x, g->in.prefix_src, g->shape.total_prefix, d->width, g->vision, s->w.embed,
+                                      (float)sqrt((double)d->width), s->stream));
+    gemma_rows r = {g->shape.total_prefix, g->shape.batch, g->shape.max_prefix, g->in.prefix_pos, g->in.prefix_cache_row,
+                    g->in.prefix_segments, g->x, NULL, &g->prefix, NULL, 0};
+    for (int layer = 0; layer < d->depth; layer++)
+        TRY(gemma_block(s, &s->w.llm[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer,
+                        layer == d->depth - 1, NULL, err));
+    return PI0_OK;
+}
+
+/* ---- denoise ------------------------------------------------------------------------------------- */
+
+/* Adaptive norm n's part j (0 scale, 1 shift, 2 gate) at `step`: n = 2 layer (attention), 2 layer + 1 (MLP),
+ * 2 depth (the final norm); see cuda_graph.mods. */
+static const float *mod_part(const cuda_graph *g, int We, int n, int j, int step) {
+    return g->mods + ((size_t)(n * 3 + j) * g->shape.num_steps + step) * We;
+}
+
+static norm_mod step_norm(const cuda_graph *g, int We, int n, int step, const float *linear_bias) {
+    return (norm_mod){mod_part(g, We, n, 0, step), mod_part(g, We, n, 1, step), mod_part(g, We, n, 2, step), linear_bias};
+}
+
+/* Pi0.5's conditioning of one layer at `step`. */
+static block_mods layer_mods(const pi0_model *m, const cuda_graph *g, int layer, int step) {
+    const pi0_stack_dims *d = &m->dims.expert;
+    int We = d->width, steps = g->shape.num_steps, qkv_dim = (d->num_heads + 2 * d->num_kv_heads) * d->head_dim;
+    return (block_mods){step_norm(g, We, 2 * layer, step, g->qkv_bias + ((size_t)layer * steps + step) * qkv_dim),
+                        step_norm(g, We, 2 * layer + 1, step,
+                                  g->gate_up_bias + ((size_t)layer * steps + step) * 2 * d->mlp_dim)};
+}
+
+/* The suffix rows of this step: Pi0's [state token, action_time_mlp(action_in_proj(x), time)] with
+ * action_in_proj folded into the MLP's first layer (weights.c) and its time half precomputed
+ * (step_constants); Pi0.5's action_in_proj(x). */
+static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, pi0_error *err) {
+    const gpu_weights *w = &s->w;
+    int B = g->shape.batch, H = g->shape.horizon, BH = B * H, We = m->dims.expert.width, A = m->dims.action_dim;
+    if (m->dims.kind == PI0_MODEL_PI05) {
+        CUDA_TRY(pi0_cuda_linear_small_k(g->action_tokens, 0, g->in.x_t, w->action_in_w, w->action_in_b, BH, A, We, 0,
+                                         s->stream));
+        CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->suffix_bf16, NULL, g->action_tokens, B, H, We, s->stream));
+        return PI0_OK;
+    }
+    CUDA_TRY(pi0_cuda_linear_small_k(g->time_hidden, 1, g->in.x_t, w->time_fold_w, g->time_bias + (size_t)step * We, BH,
+                                     A, We, 1, s->stream));
+    TRY(gemm(s, (gemm_args){.m = BH, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w, .bias = w->time_out_b,
+                            .out = g->action_tokens, .out_f32 = 1, .alpha = 1}, err));
+    CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->suffix_bf16, g->state_token, g->action_tokens, B, H, We, s->stream));
+    return PI0_OK;
+}
+
+/* One Euler step: x_t += dt * action_out_proj(final_norm(expert(suffix(x_t, t_k)))[action rows]). */
+static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, pi0_error *err) {
+    const pi0_stack_dims *d = &m->dims.expert;
+    const gpu_weights *w = &s->w;
+    int B = g->shape.batch, BH = B * g->shape.horizon, S = g->suffix_len, We = d->width, A = m->dims.action_dim;
+    int pi05 = m->dims.kind == PI0_MODEL_PI05;
+    size_t cache_layer = cache_layer_elems(m, g);
+    TRY(suffix_tokens(s, m, g, step, err));
+    gemma_rows r = {B * S, B, S, g->in.suffix_pos, g->in.suffix_cache_row, g->in.suffix_segments, g->suffix, g->suffix_bf16,
+                    &g->suffix_buffers, g->suffix_attn_ws, g->suffix_attn_ws_bytes};
+    for (int layer = 0; layer < d->depth; layer++) {
+        block_mods mods = pi05 ? layer_mods(m, g, layer, step) : (block_mods){0};
+        TRY(gemma_block(s, &w->expert[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer, 0,
+                        pi05 ? &mods : NULL, err));
+    }
+    if (pi05)
+        CUDA_TRY(pi0_cuda_rmsnorm_mod(g->final_h, g->suffix, g->in.action_rows, BH, We, mod_part(g, We, 2 * d->depth, 0, step),
+                                      mod_part(g, We, 2 * d->depth, 1, step), NORM_EPS, s->stream));
+    else CUDA_TRY(pi0_cuda_rmsnorm(g->final_h, g->suffix, g->in.action_rows, BH, We, w->expert_norm, NORM_EPS, s->stream));
+    float dt = -1.0f / (float)g->shape.num_steps;
+    TRY(gemm(s, (gemm_args){.m = BH, .n = A, .k = We, .x = g->final_h, .w = w->action_out_w, .bias = g->out_bias,
+                            .out = g->in.x_t, .out_f32 = 1, .alpha = dt, .beta = 1}, err));
+    return PI0_OK;
+}
+
+/* ---- per-shape constants ------------------------------------------------------------------------- */
+
+/* Pi0: the time half of action_time_mlp_in for each step, with every bias of the folded layer:
+ * c_k = W_t time_emb(t_k) + b_time_in + W_a b_action_in (double, then float). */
+static int pi0_time_biases(const pi0_model *m, int steps, float *out) {
+    const pi0_weights *w = &m->weights;
+    int We = m->dims.expert.width;
+    float *t = malloc(sizeof(float) * steps), *emb = malloc(sizeof(float) * We);
+    if (!t || !emb) return free(t), free(emb), -1;
+    flow_times(steps, t);
+    for (int k = 0; k < steps; k++) {
+        time_embedding(t[k], We, emb);
+        for (int i = 0; i < We; i++) {
+            const float *row = w->action_time_in_w + (size_t)i * 2 * We;
+            double acc = w->action_time_in_b[i];
+            for (int j = 0; j < We; j++) acc += (double)row[We + j] * emb[j] + (double)row[j] * w->action_in_b[j];
+            out[(size_t)k * We + i] = (float)acc;
+        }
+    }
+    free(t), free(emb);
+    return 0;
+}
+
+/*
+ * Pi0.5's conditioning of every step (docs/model.md#conditioning-per-step): it depends on the flow time
+ * only, so one row per step serves every sample, and the whole table is a constant of the shape.
+ * c = swish(time_mlp_out(swish(time_mlp_in(time_emb(t))))); each adaptive norm's scale, shift and gate
+ * = dense(c); and for the skinny Linears, shift . w^T of the QKV and gate|up weights.
+ */
+static pi0_status pi05_step_constants(cuda_state *s, const pi0_model *m, cuda_graph *g, const float *time_emb_host,
+                                      pi0_error *err) {
+    const pi0_stack_dims *d = &m->dims.expert;
+    const gpu_weights *w = &s->w;
+    int We = d->width, steps = g->shape.num_steps, depth = d->depth;
+    int qkv_dim = (d->num_heads + 2 * d->num_kv_heads) * d->head_dim, gate_up = 2 * d->mlp_dim;
+    float *emb = g->time_emb, *hidden = emb + (size_t)steps * We, *cond = hidden + (size_t)steps * We;
+    CUDA_TRY(cudaMemcpyAsync(emb, time_emb_host, (size_t)steps * We * sizeof(float), cudaMemcpyHostToDevice, s->stream));
+    CUDA_TRY(pi0_cuda_linear_small_k(hidden, 0, emb, w->time_mlp_in_w, w->time_mlp_in_b, steps, We, We, 1, s->stream));
+    CUDA_TRY(pi0_cuda_linear_small_k(cond, 0, hidden, w->time_mlp_out_w, w->time_mlp_out_b, steps, We, We, 1, s->stream));
+    for (int n = 0; n <= 2 * depth; n++) {
+        const gpu_gemma_layer *l = n < 2 * depth ? &w->expert[n / 2] : NULL;
+        const pi0_bf16 *dense_w = !l ? w->expert_norm_dense_w : n % 2 ? l->post_dense_w : l->input_dense_w;
+        const float *dense_b = !l ? w->expert_norm_dense_b : n % 2 ? l->post_dense_b : l->input_dense_b;
+        for (int j = 0; j < 3; j++) /* scale, shift, gate: rows j We .. (j + 1) We of the dense layer */
+            CUDA_TRY(pi0_cuda_linear_small_k((float *)mod_part(g, We, n, j, 0), 0, cond, dense_w + (size_t)j * We * We,
+                                             dense_b + (size_t)j * We, steps, We, We, 0, s->stream));
+    }
+    for (int l = 0; l < depth; l++) {
+        CUDA_TRY(pi0_cuda_linear_small_k(g->qkv_bias + (size_t)l * steps * qkv_dim, 0, mod_part(g, We, 2 * l, 1, 0),
+                                         w->expert[l].qkv_w, NULL, steps, We, qkv_dim, 0, s->stream));
+        CUDA_TRY(pi0_cuda_linear_small_k(g->gate_up_bias + (size_t)l * steps * gate_up, 0, mod_part(g, We, 2 * l + 1, 1, 0),
+                                         w->expert[l].gate_up_w, NULL, steps, We, gate_up, 0, s->stream));
+    }
+    CUDA_TRY(cudaStreamSynchronize(s->stream)); /* time_emb_host is freed once this returns */
+    return PI0_OK;
+}
+
+pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    int P = image_tokens(d), We = d->expert.width, A = d->action_dim, steps = g->shape.num_steps;
+    size_t segs = (size_t)g->shape.num_images * sizeof(attn_segment), per_step = (size_t)steps * We * sizeof(float);
+    char *host = malloc(segs + per_step + A * sizeof(float) + 1);
+    if (!host) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    attn_segment *vit_segs = (attn_segment *)host;
+    float *per_step_host = (float *)(host + segs), *out_bias = per_step_host + (size_t)steps * We, *times = NULL;
+    for (int i = 0; i < g->shape.num_images; i++) vit_segs[i] = (attn_segment){i * P, P, i * P, P, 0};
+    float dt = -1.0f / (float)steps;
+    for (int i = 0; i < A; i++) out_bias[i] = dt * m->weights.action_out_b[i];
+    pi0_status st = PI0_OK;
+    if (d->kind == PI0_MODEL_PI05) { /* per_step_host: the time embedding of each step */
+        if (!(times = malloc(sizeof(float) * steps))) st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+        else flow_times(steps, times);
+        for (int k = 0; !st && k < steps; k++) time_embedding(times[k], We, per_step_host + (size_t)k * We);
+    } else if (pi0_time_biases(m, steps, per_step_host)) {
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    cudaError_t e = cudaSuccess;
+    if (!st) e = cudaMemcpy(g->vit_segments, vit_segs, segs, cudaMemcpyHostToDevice);
+    if (!st && !e) e = cudaMemcpy(g->out_bias, out_bias, A * sizeof(float), cudaMemcpyHostToDevice);
+    if (!st && !e && d->kind == PI0_MODEL_PI0) e = cudaMemcpy(g->time_bias, per_step_host, per_step, cudaMemcpyHostToDevice);
+    if (!st && e) st = pi0_fail(err, PI0_ERR_BACKEND, "uploading graph constants: %s", cudaGetErrorString(e));
+    if (!st && d->kind == PI0_MODEL_PI05) st = pi05_step_constants(s, m, g, per_step_host, err);
+    free(times);
+    free(host);
+    return st;
+}
+
+/* ---- sample_actions ------------------------------------------------------------------------------ */
+
+/* A stage boundary: "external" so that under capture it becomes an event-record node of the graph
+ * (a plain record would only order streams), and each replay re-records it. */
+static cudaError_t record(cudaEvent_t event, cudaStream_t stream) {
+    enum cudaStreamCaptureStatus capturing;
+    cudaError_t e = cudaStreamIsCapturing(stream, &capturing);
+    if (e) return e;
+    if (capturing != cudaStreamCaptureStatusActive) return cudaEventRecord(event, stream); /* the flag is capture-only */
+    return cudaEventRecordWithFlags(event, stream, cudaEventRecordExternal);
+}
+
+pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    size_t actions_bytes = (size_t)g->shape.batch * g->shape.horizon * d->action_dim * sizeof(float);
+    CUDA_TRY(cudaMemcpyAsync(g->device, g->host, g->inputs_size, cudaMemcpyHostToDevice, s->stream));
+    CUDA_TRY(record(g->events[0], s->stream));
+    TRY(vision_forward(s, m, g, err));
+    CUDA_TRY(record(g->events[1], s->stream));
+    TRY(prefix_forward(s, m, g, err));
+    CUDA_TRY(record(g->events[2], s->stream));
+    if (d->kind == PI0_MODEL_PI0)
+        CUDA_TRY(pi0_cuda_linear_small_k(g->state_token, 0, g->in.state, s->w.state_proj_w, s->w.state_proj_b,
+                                         g->shape.batch, d->action_dim, d->expert.width, 0, s->stream));
+    for (int step = 0; step < g->shape.num_steps; step++) TRY(denoise_step(s, m, g, step, err));
+    CUDA_TRY(record(g->events[3], s->stream));
+    CUDA_TRY(cudaMemcpyAsync(g->actions_host, g->in.x_t, actions_bytes, cudaMemcpyDeviceToHost, s->stream));
+    return PI0_OK;
+}
