@@ -27,6 +27,7 @@
 #include "policy/tokenizer.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1064,36 +1065,115 @@ static void strip_span(const char *s, size_t n, size_t *begin, size_t *end) {
     if (*begin == n) *begin = *end = 0;
 }
 
-pi0_status pi0_tokenize_prompt(const pi0_tokenizer *tok, const char *prompt, int max_len,
-                               int32_t *ids, uint8_t *mask, int *num_valid, pi0_error *err) {
+/* prompt.strip().replace("_", " ").replace("\n", " ") of prompt[0..n), written to dst (room for n
+ * bytes); returns its length. */
+static size_t clean_prompt(const char *prompt, size_t n, char *dst) {
+    size_t begin, end;
+    strip_span(prompt, n, &begin, &end);
+    for (size_t i = begin; i < end; i++)
+        dst[i - begin] = prompt[i] == '_' || prompt[i] == '\n' ? ' ' : prompt[i];
+    return end - begin;
+}
+
+static pi0_status check_prompt_args(const pi0_tokenizer *tok, const char *prompt, int max_len,
+                                    const int32_t *ids, const uint8_t *mask, pi0_error *err) {
     if (!tok || !prompt || !ids || !mask)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenize_prompt: NULL argument");
     if (max_len <= 0)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenize_prompt: max_len %d", max_len);
     if (tok->bos_id < 0)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenize_prompt: the model has no BOS piece");
-    size_t begin, end;
-    strip_span(prompt, strlen(prompt), &begin, &end);
-    char *clean = malloc(end - begin + 1);
-    if (!clean) return out_of_memory(err);
-    for (size_t i = begin; i < end; i++)
-        clean[i - begin] = prompt[i] == '_' || prompt[i] == '\n' ? ' ' : prompt[i];
+    return PI0_OK;
+}
 
-    size_t room = (size_t)max_len, used = 1, count;
-    ids[0] = tok->bos_id;
-    pi0_status st = pi0_tokenizer_encode(tok, clean, end - begin, ids + used, room - used, &count, err);
-    free(clean);
-    if (st != PI0_OK) return st;
-    used += count < room - used ? count : room - used;
-    if (used < room) {
-        st = pi0_tokenizer_encode(tok, "\n", 1, ids + used, room - used, &count, err);
-        if (st != PI0_OK) return st;
-        used += count < room - used ? count : room - used;
-    }
+/* Appends the ids of text[0..n) to ids[*used..room), dropping those past `room`. */
+static pi0_status append_encoded(const pi0_tokenizer *tok, const char *text, size_t n,
+                                 int32_t *ids, size_t room, size_t *used, pi0_error *err) {
+    size_t count;
+    pi0_status st = pi0_tokenizer_encode(tok, text, n, ids + *used, room - *used, &count, err);
+    if (st == PI0_OK) *used += count < room - *used ? count : room - *used;
+    return st;
+}
+
+/* openpi's padding: ids 0 and mask 0 after the `used` tokens (truncation happened already). */
+static void pad_prompt(int32_t *ids, uint8_t *mask, size_t used, size_t room, int *num_valid) {
     for (size_t i = 0; i < room; i++) {
         if (i >= used) ids[i] = 0;
         mask[i] = i < used;
     }
     if (num_valid) *num_valid = (int)used;
-    return PI0_OK;
+}
+
+pi0_status pi0_tokenize_prompt(const pi0_tokenizer *tok, const char *prompt, int max_len,
+                               int32_t *ids, uint8_t *mask, int *num_valid, pi0_error *err) {
+    pi0_status st = check_prompt_args(tok, prompt, max_len, ids, mask, err);
+    if (st != PI0_OK) return st;
+    size_t n = strlen(prompt);
+    char *clean = malloc(n + 1);
+    if (!clean) return out_of_memory(err);
+    size_t room = (size_t)max_len, used = 1;
+    ids[0] = tok->bos_id;
+    st = append_encoded(tok, clean, clean_prompt(prompt, n, clean), ids, room, &used, err);
+    free(clean);
+    /* openpi encodes "\n" apart, as the start-of-answer token */
+    if (st == PI0_OK && used < room) st = append_encoded(tok, "\n", 1, ids, room, &used, err);
+    if (st == PI0_OK) pad_prompt(ids, mask, used, room, num_valid);
+    return st;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Pi0.5 prompt formatting: the discretized state in the text
+ * ------------------------------------------------------------------------------------------- */
+
+int pi0_state_bin(double x) {
+    if (isnan(x)) return 255; /* searchsorted puts NaN after every edge */
+    /* The edges -1 + k/128 are exact doubles (numpy's linspace computes k * 2^-7 - 1 exactly), and
+     * x * 128 is exact too (a power of two; an overflow to inf still compares right), so
+     * edge_k <= x  <=>  k - 128 <= x * 128  <=>  k <= floor(x * 128) + 128. The bin is the largest
+     * such k, clamped to -1 (below every edge) and 255 (the last edge). */
+    double k = floor(x * 128.0) + 128.0;
+    return k < -1.0 ? -1 : k > 255.0 ? 255 : (int)k;
+}
+
+static const char TASK_PREFIX[] = "Task: ", STATE_PREFIX[] = ", State: ";
+static const char ACTION_SUFFIX[] = ";\nAction: ";
+
+/* Writes " ".join(map(str, bins)) at dst (room for 4 bytes a value); returns its length. */
+static size_t format_bins(const double *state, int state_dim, char *dst) {
+    size_t length = 0;
+    for (int i = 0; i < state_dim; i++)
+        length += (size_t)sprintf(dst + length, i ? " %d" : "%d", pi0_state_bin(state[i]));
+    return length;
+}
+
+pi0_status pi0_tokenize_prompt_with_state(const pi0_tokenizer *tok, const char *prompt,
+                                          const double *state, int state_dim, int max_len,
+                                          int32_t *ids, uint8_t *mask, int *num_valid,
+                                          pi0_error *err) {
+    pi0_status st = check_prompt_args(tok, prompt, max_len, ids, mask, err);
+    if (st != PI0_OK) return st;
+    if (state_dim < 0 || (!state && state_dim > 0))
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenize_prompt: state_dim %d, state %s",
+                        state_dim, state ? "given" : "NULL");
+    size_t n = strlen(prompt);
+    /* each bin is at most "255" or "-1" plus a separating space; sprintf adds a NUL */
+    size_t capacity = sizeof TASK_PREFIX + n + sizeof STATE_PREFIX + 4 * (size_t)state_dim +
+                      sizeof ACTION_SUFFIX;
+    char *text = malloc(capacity);
+    if (!text) return out_of_memory(err);
+    size_t length = sizeof TASK_PREFIX - 1;
+    memcpy(text, TASK_PREFIX, length);
+    length += clean_prompt(prompt, n, text + length);
+    memcpy(text + length, STATE_PREFIX, sizeof STATE_PREFIX - 1);
+    length += sizeof STATE_PREFIX - 1;
+    length += format_bins(state, state_dim, text + length);
+    memcpy(text + length, ACTION_SUFFIX, sizeof ACTION_SUFFIX - 1);
+    length += sizeof ACTION_SUFFIX - 1;
+
+    size_t room = (size_t)max_len, used = 1;
+    ids[0] = tok->bos_id;
+    st = append_encoded(tok, text, length, ids, room, &used, err);
+    free(text);
+    if (st == PI0_OK) pad_prompt(ids, mask, used, room, num_valid);
+    return st;
 }
