@@ -502,6 +502,149 @@ static void test_charsmap(void) {
     CHECK(!load_blob(charsmap_variant(4096, units, 1024, "b", 2), &err));
 }
 
+/* ---- Encoding in chunks, and only as far as the ids kept ----------------------------------- */
+
+static uint64_t rng_next(uint64_t *state) { /* xorshift64* */
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    return *state * 0x2545F4914F6CDD1Dull;
+}
+
+/* Appends a random fragment of text: mostly a vocabulary piece, else spaces, punctuation, digits,
+ * special-piece look-alikes, other scripts, U+2581 (whole or cut) or a malformed byte. */
+static void put_fragment(blob *b, const pi0_tokenizer *tok, uint64_t *rng) {
+    static const char *const others[] = {" ", "  ", "   ", "\t", "\xe3\x80\x80", "\xc2\xa0", ",", ".",
+                                         "!?", "123", "7", "<loc0001>", "<loc0000>", "<loc00",
+                                         "\xc3\xa9", "\xe6\x8a\x8a", "\xf0\x9f\xa4\x96", "\xe2\x96\x81",
+                                         "\xe2\x96", "\xff", "\xc3", "e\xe2\x96\x81", "A"};
+    uint64_t r = rng_next(rng);
+    if (r % 3) { /* a vocabulary piece, its U+2581 as a space */
+        const char *piece = pi0_tokenizer_piece(tok, 200 + (int)(r / 3 % 1800));
+        for (; *piece; piece++) {
+            if (memcmp(piece, "\xe2\x96\x81", 3) == 0) {
+                put_bytes(b, " ", 1);
+                piece += 2;
+            } else if (*piece != '_' && *piece != '\n') {
+                put_bytes(b, piece, 1);
+            }
+        }
+    } else {
+        const char *other = others[r / 3 % (sizeof others / sizeof *others)];
+        put_bytes(b, other, strlen(other));
+    }
+}
+
+/* Encodes with `whole` (a model with an UNUSED piece, which is encoded whole) and checks that
+ * `tok` gives the same ids, chunked, and that pi0_tokenize_prompt keeps exactly their beginning
+ * at every max_len. The text starts and ends with "x" and has no "_" or "\n": cleaning keeps it. */
+static int kept_ids_match(const pi0_tokenizer *tok, const pi0_tokenizer *whole, const char *text) {
+    enum { CAPACITY = 8192 };
+    static int32_t want[CAPACITY + 1], got[CAPACITY], prompt[CAPACITY];
+    static uint8_t mask[CAPACITY];
+    size_t count = 0, newline = 0, chunked = 0, n = strlen(text);
+    pi0_error err = {0};
+    if (pi0_tokenizer_encode(whole, text, n, want + 1, CAPACITY - 1, &count, &err) != PI0_OK ||
+        pi0_tokenizer_encode(tok, text, n, got, CAPACITY, &chunked, &err) != PI0_OK ||
+        count + 8 > CAPACITY || chunked != count ||
+        pi0_tokenizer_encode(whole, "\n", 1, want + 1 + count, 4, &newline, &err) != PI0_OK ||
+        newline > 4) {
+        fprintf(stderr, "  %zu ids, %zu chunked: %s\n", count, chunked, err.message);
+        return 0;
+    }
+    if (memcmp(got, want + 1, count * sizeof *got) != 0) return 0;
+    want[0] = pi0_tokenizer_bos_id(tok);
+    size_t total = 1 + count + newline;
+    for (int max_len = 1; max_len <= (int)total + 2; max_len += 1 + max_len / 4) {
+        int valid = -1;
+        if (pi0_tokenize_prompt(tok, text, max_len, prompt, mask, &valid, &err) != PI0_OK) return 0;
+        int same = valid == (int)(total < (size_t)max_len ? total : (size_t)max_len);
+        for (int i = 0; same && i < valid; i++) same = prompt[i] == want[i];
+        if (!same) {
+            fprintf(stderr, "  max_len %d: %d valid of %zu\n", max_len, valid, total);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static pi0_tokenizer *load_variant(const uint8_t *extra, size_t n, int whole) {
+    /* pieces { piece: "\x7f\x7f" type: UNUSED }: a piece no test text can form */
+    static const uint8_t unused[] = {0x0A, 6, 0x0A, 2, 0x7F, 0x7F, 0x18, 5};
+    blob b = fixture_plus(extra, n, sizeof unused);
+    if (whole) put_bytes(&b, unused, sizeof unused);
+    pi0_error err = {0};
+    pi0_tokenizer *tok = load_blob(b, &err);
+    if (!tok) fprintf(stderr, "  load: %s\n", err.message);
+    return tok;
+}
+
+/* Long random texts through every normalizer setting and user-defined symbols that span a space
+ * and nest ("e▁", "e▁t": cut at a budget's end, the longer one looks like the shorter), so that
+ * chunks are cut next to frozen symbols, inside runs of spaces and at the budgets' edges. */
+TEST(test_kept_ids) {
+    REQUIRE(read_fixture_model());
+    static const uint8_t none[] = {0};
+    static const uint8_t dummy_prefix[] = {0x1A, 4, 0x18, 1, 0x20, 1};
+    static const uint8_t suffix[] = {0x1A, 4, 0x18, 1, 0x20, 1, 0x12, 3, 0xC0, 0x01, 1};
+    static const uint8_t no_escape[] = {0x1A, 4, 0x28, 0, 0x20, 1};
+    /* pieces { piece: "e▁" type: USER_DEFINED } pieces { piece: "e▁t" type: USER_DEFINED } */
+    static const uint8_t user_symbols[] = {0x0A, 8, 0x0A, 4, 'e', 0xE2, 0x96, 0x81, 0x18, 4,
+                                           0x0A, 9, 0x0A, 5, 'e', 0xE2, 0x96, 0x81, 't', 0x18, 4};
+    const struct {
+        const uint8_t *extra;
+        size_t size;
+    } variants[] = {{none, 0},
+                    {dummy_prefix, sizeof dummy_prefix},
+                    {suffix, sizeof suffix},
+                    {no_escape, sizeof no_escape},
+                    {user_symbols, sizeof user_symbols}};
+    uint64_t rng = 0x6A09E667F3BCC908ull;
+    blob text = {malloc(1 << 16), 0};
+    REQUIRE(text.data);
+    for (size_t v = 0; v < sizeof variants / sizeof *variants; v++) {
+        pi0_tokenizer *tok = load_variant(variants[v].extra, variants[v].size, 0);
+        pi0_tokenizer *whole = load_variant(variants[v].extra, variants[v].size, 1);
+        CHECK(tok && whole, "variant %zu", v);
+        for (int t = 0; tok && whole && t < 150; t++) {
+            text.size = 0;
+            put_bytes(&text, "x", 1);
+            int parts = (int)(rng_next(&rng) % (t % 3 ? 60 : 600));
+            for (int i = 0; i < parts; i++) put_fragment(&text, tok, &rng);
+            put_bytes(&text, "x", 2); /* with the NUL */
+            CHECK(kept_ids_match(tok, whole, (const char *)text.data), "variant %zu text %d: %s", v,
+                  t, (const char *)text.data);
+        }
+        pi0_tokenizer_free(tok);
+        pi0_tokenizer_free(whole);
+    }
+    free(text.data);
+}
+
+/* A prompt of 16 MiB costs what its first ids cost (it took seconds when encoded whole). */
+TEST(test_huge_prompt) {
+    pi0_tokenizer *tok = load_fixture();
+    REQUIRE(tok);
+    size_t n = ((size_t)1 << 24) - 64; /* the text around it stays within the 16 MiB limit */
+    char *prompt = malloc(n + 1);
+    REQUIRE(prompt);
+    for (size_t i = 0; i < n; i++) prompt[i] = "pick up the fork "[i % 17];
+    prompt[n] = '\0';
+    int32_t ids[2][200];
+    uint8_t mask[2][200];
+    int valid[2];
+    pi0_error err = {0};
+    const double state[2] = {0.5, -0.25};
+    CHECK(pi0_tokenize_prompt_with_state(tok, prompt, state, 2, 200, ids[0], mask[0], &valid[0],
+                                         &err) == PI0_OK, "%s", err.message);
+    prompt[17 * 100] = '\0'; /* 400 words: still more than 200 ids */
+    CHECK(pi0_tokenize_prompt_with_state(tok, prompt, state, 2, 200, ids[1], mask[1], &valid[1],
+                                         &err) == PI0_OK);
+    CHECK(valid[0] == 200 && valid[1] == 200 && memcmp(ids[0], ids[1], sizeof ids[0]) == 0);
+    free(prompt);
+    pi0_tokenizer_free(tok);
+}
+
 static void test_model_errors(void) {
     REQUIRE(read_fixture_model());
     pi0_error err = {0};
@@ -594,13 +737,6 @@ static void test_truncated_models(void) {
     CHECK(load_and_poke(model_bytes, model_size));
 }
 
-static uint64_t rng_next(uint64_t *state) { /* xorshift64* */
-    *state ^= *state >> 12;
-    *state ^= *state << 25;
-    *state ^= *state >> 27;
-    return *state * 0x2545F4914F6CDD1Dull;
-}
-
 static void test_mutated_models(void) {
     REQUIRE(read_fixture_model());
     uint8_t *mutant = malloc(model_size);
@@ -667,6 +803,8 @@ int main(int argc, char **argv) {
     RUN(test_prompt_with_state);
     RUN(test_normalizer_flags);
     RUN(test_charsmap);
+    RUN(test_kept_ids);
+    RUN(test_huge_prompt);
     RUN(test_model_errors);
     RUN(test_lenient_wire_data);
     RUN(test_truncated_models);

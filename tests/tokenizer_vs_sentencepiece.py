@@ -23,7 +23,7 @@ and malformed UTF-8.
 Then Pi0.5's discrete state: `tokenize_tool --bins` against numpy.digitize (openpi's binning) on
 random float32 and float64 states (bin edges and their neighbours, signed zeros, infinities, NaN,
 every magnitude), and `tokenize_tool --pi05` against openpi's PaligemmaTokenizer.tokenize(prompt,
-state) (its code copied below, with MODEL) on random prompts, states and max_len.
+state) (its code copied below) on random prompts, states and max_len, with MODEL and each variant.
 Every mismatch is printed with the string and both id lists; the exit status is 1 if any.
 """
 import argparse
@@ -226,11 +226,8 @@ def run_tool(tool, model_path, strings):
     return [[int(x) for x in line.split()] for line in lines]
 
 
-def check_variant(name, serialized, tool, strings, tmpdir, max_report=20):
+def check_variant(name, serialized, tool, strings, path, max_report=20):
     sp = spm.SentencePieceProcessor(model_proto=serialized)
-    path = os.path.join(tmpdir, "variant.model")
-    with open(path, "wb") as f:
-        f.write(serialized)
     ours = run_tool(tool, path, strings)
     mismatches = 0
     for text, got in zip(strings, ours):
@@ -317,17 +314,24 @@ def check_state_bins(tool, rng, count, max_report=20):
     return total, bad
 
 
-def check_pi05_prompts(tool, model_path, serialized, words, rng, count, max_report=20):
+def check_pi05_prompts(name, tool, model_path, serialized, words, rng, count, max_report=20):
+    """Pi0.5 prompts, a third of them long (the C tokenizer then encodes only as far as max_len
+    needs, in chunks: this checks that the ids kept are still the ones of encoding it all)."""
     sp = spm.SentencePieceProcessor(model_proto=serialized)
     fixed = ["pick up the fork", "  open_the drawer\n", "", "Put 3 cups\nin the sink!"]
     cases = []
     for i in range(count):
-        text = fixed[i] if i < len(fixed) else random_text(rng, words)
+        if i < len(fixed):
+            text = fixed[i]
+        elif i % 3 == 0:
+            text = b" ".join(random_text(rng, words) for _ in range(rng.randint(5, 60)))
+        else:
+            text = random_text(rng, words)
         # openpi takes a str: valid UTF-8 only, and the C API's NUL-terminated string has no NUL
         prompt = text.decode("utf-8", "replace").replace("\0", " ") if isinstance(text, bytes) else text
         cases.append((prompt, random_state(rng, rng.choice([np.float32, np.float64]))))
     bad = 0
-    for max_len in (1, 24, 200):
+    for max_len in (1, 24, 200, rng.randint(2, 300)):
         stdin = "".join(p.encode().hex() + " " + state_hex(s) + "\n" for p, s in cases)
         proc = subprocess.run([tool, "--pi05", model_path, str(max_len)], input=stdin,
                               capture_output=True, text=True)
@@ -341,11 +345,11 @@ def check_pi05_prompts(tool, model_path, serialized, words, rng, count, max_repo
                 continue
             bad += 1
             if bad <= max_report:
-                print(f"MISMATCH [pi05 max_len {max_len}] prompt={prompt!r} state={state!r}")
+                print(f"MISMATCH [{name}, Pi0.5, max_len {max_len}] prompt={prompt!r} state={state!r}")
                 print(f"  openpi: {tokens.tolist()} ({int(mask.sum())} valid)")
                 print(f"  C:      {got} ({valid} valid)")
-    total = 3 * len(cases)
-    print(f"Pi0.5 prompts: {total - bad}/{total} match openpi's PaligemmaTokenizer.tokenize")
+    total = 4 * len(cases)
+    print(f"{name}: {total - bad}/{total} Pi0.5 prompts match openpi's PaligemmaTokenizer.tokenize")
     return total, bad
 
 
@@ -365,16 +369,21 @@ def main():
     fixed = [b"", b" ", b"  ", b"\n", b"a", b"pick up the fork", b"  leading and trailing  ",
              "<start_of_turn>user pick_up<end_of_turn>\n".encode()]
 
-    total = mismatches = 0
+    total = mismatches = prompts_total = prompts_bad = 0
     with tempfile.TemporaryDirectory() as tmpdir:
         for i, (name, serialized) in enumerate(variants(base, args.seed)):
             count = args.count if i == 0 else max(args.count // 3, 1)
             strings = make_strings(random.Random(args.seed + i), words, count, fixed)
-            mismatches += check_variant(name, serialized, args.tool, strings, tmpdir)
+            path = os.path.join(tmpdir, "variant.model")
+            with open(path, "wb") as f:
+                f.write(serialized)
+            mismatches += check_variant(name, serialized, args.tool, strings, path)
             total += len(strings)
+            n, bad = check_pi05_prompts(name, args.tool, path, serialized, words,
+                                        random.Random(args.seed + i), max(count // 20, 1))
+            prompts_total += n
+            prompts_bad += bad
     bins_total, bins_bad = check_state_bins(args.tool, random.Random(args.seed), max(args.count, 1))
-    prompts_total, prompts_bad = check_pi05_prompts(args.tool, args.model, base, words,
-                                                    random.Random(args.seed), max(args.count // 6, 1))
     print(f"{total - mismatches}/{total} strings match sentencepiece {spm.__version__}, "
           f"{bins_total - bins_bad}/{bins_total} state values bin as numpy {np.__version__} digitize, "
           f"{prompts_total - prompts_bad}/{prompts_total} Pi0.5 prompts match openpi's")

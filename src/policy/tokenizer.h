@@ -50,7 +50,10 @@ const char *pi0_tokenizer_piece(const pi0_tokenizer *tok, int id);
  * `max_len` entries; *num_valid (may be NULL) gets the number of mask-1 entries. strip() removes
  * exactly the characters Python's str.isspace() accepts (ASCII whitespace, U+001C..U+001F, U+0085,
  * U+00A0, U+1680, U+2000..U+200A, U+2028, U+2029, U+202F, U+205F, U+3000) from both ends of
- * `prompt` (a NUL-terminated UTF-8 string); malformed bytes are never stripped. */
+ * `prompt` (a NUL-terminated UTF-8 string); malformed bytes are never stripped. Only what the
+ * `max_len` tokens need is encoded (besides one pass over the prompt to clean it): a long prompt
+ * costs about what its first tokens cost, and gives exactly the ids of encoding it all (see
+ * tokenizer.c for why). The 16 MiB limit of pi0_tokenizer_encode still applies to the text. */
 pi0_status pi0_tokenize_prompt(const pi0_tokenizer *tok, const char *prompt, int max_len,
                                int32_t *ids, uint8_t *mask, int *num_valid, pi0_error *err);
 
