@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Cross-checks against the reference libraries from PyPI: the C tokenizer against sentencepiece on
-# thousands of random strings, image resizing against Pillow bit for bit, and (in builds with the server
+# thousands of random strings (and Pi0.5's state prompt against numpy.digitize and openpi's own
+# formatting code), image resizing against Pillow bit for bit, and (in builds with the server
 # libraries) the msgpack wire codec against openpi-client's msgpack_numpy. Needs the tools built
 # by `make test` ($PI0_TOOLS, default build/tests) and `make deps` for the Python packages.
 set -u

@@ -1,7 +1,8 @@
 /*
  * test_tokenizer.c - the SentencePiece tokenizer against the fixture model: every case of
  * tokenizer/cases.json, Pi0 prompt formatting, model variants made by appending protobuf fields
- * to the fixture (expected ids from the sentencepiece library 0.2.3), and hostile model files
+ * to the fixture (expected ids from the sentencepiece library 0.2.3), Pi0.5 prompt formatting with
+ * the discretized state (every case of tokenizer/pi05_prompts.json), and hostile model files
  * (every truncation, random byte mutations, crafted wire data) that must load or fail cleanly.
  * tests/tokenizer_vs_sentencepiece.py compares with sentencepiece on many random strings.
  */
@@ -229,6 +230,162 @@ static void test_prompt(void) {
     pi0_tokenizer_free(tok);
 }
 
+/* ---- Pi0.5 prompt formatting ------------------------------------------------------------- */
+
+/* One case of pi05_prompts.json through pi0_tokenize_prompt (state null) or
+ * pi0_tokenize_prompt_with_state; returns whether every id and mask entry matches. */
+static int pi05_case_matches(const pi0_tokenizer *tok, json_t *c, size_t index) {
+    json_t *prompt = json_object_get(c, "prompt"), *state = json_object_get(c, "state");
+    json_t *want_ids = json_object_get(c, "ids"), *want_mask = json_object_get(c, "mask");
+    int max_len = (int)json_integer_value(json_object_get(c, "max_len"));
+    if (!json_is_string(prompt) || max_len <= 0 || !json_is_array(want_ids) ||
+        !json_is_array(want_mask) || json_array_size(want_ids) != (size_t)max_len ||
+        json_array_size(want_mask) != (size_t)max_len || !(json_is_null(state) || json_is_array(state)))
+        return 0;
+    int dim = json_is_array(state) ? (int)json_array_size(state) : 0, valid = -1, want_valid = 0;
+    double *values = malloc((size_t)(dim ? dim : 1) * sizeof *values);
+    int32_t *ids = malloc((size_t)max_len * sizeof *ids);
+    uint8_t *mask = malloc((size_t)max_len);
+    for (int i = 0; values && i < dim; i++) values[i] = json_number_value(json_array_get(state, i));
+    pi0_error err = {0};
+    pi0_status st = !values || !ids || !mask ? PI0_ERR_OUT_OF_MEMORY
+                    : json_is_null(state)
+                        ? pi0_tokenize_prompt(tok, json_string_value(prompt), max_len, ids, mask, &valid, &err)
+                        : pi0_tokenize_prompt_with_state(tok, json_string_value(prompt), values, dim,
+                                                         max_len, ids, mask, &valid, &err);
+    int same = st == PI0_OK;
+    for (int i = 0; same && i < max_len; i++) {
+        want_valid += json_is_true(json_array_get(want_mask, i));
+        same = ids[i] == json_integer_value(json_array_get(want_ids, i)) &&
+               mask[i] == json_is_true(json_array_get(want_mask, i));
+        if (!same) fprintf(stderr, "  case %zu: position %d: id %d mask %d\n", index, i, ids[i], mask[i]);
+    }
+    if (st != PI0_OK) fprintf(stderr, "  case %zu: %s\n", index, err.message);
+    same = same && valid == want_valid;
+    free(values);
+    free(ids);
+    free(mask);
+    return same;
+}
+
+/* openpi's own PaligemmaTokenizer.tokenize(prompt, state) output with the fixture model. */
+TEST(test_pi05_fixture) {
+    pi0_tokenizer *tok = load_fixture();
+    REQUIRE(tok);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tokenizer/pi05_prompts.json", fixtures_dir());
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr), *cases = json_object_get(root, "cases");
+    REQUIRE(json_is_array(cases), "%s: %s", path, jerr.text);
+    size_t i, with_state = 0, passed = 0;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        int same = pi05_case_matches(tok, c, i);
+        CHECK(same, "case %zu (%s)", i, json_string_value(json_object_get(c, "prompt")));
+        passed += same;
+        with_state += json_is_array(json_object_get(c, "state"));
+    }
+    CHECK(i == 54 && with_state == 36, "%zu cases, %zu with a state", i, with_state);
+    fprintf(stderr, "  %zu/%zu cases match (%zu with a state)\n", passed, i, with_state);
+    json_decref(root);
+    pi0_tokenizer_free(tok);
+}
+
+/* numpy's digitize(x, linspace(-1, 1, 257)[:-1]) - 1 by its definition: the edges <= x, less one
+ * (searchsorted side="right"; NaN sorts after every edge). */
+static int reference_bin(double x) {
+    int count = 0;
+    for (int k = 0; k < 256; k++) count += isnan(x) || -1.0 + k * (2.0 / 256) <= x;
+    return count - 1;
+}
+
+TEST(test_state_bins) {
+    for (int k = 0; k < 256; k++) {
+        double edge = -1.0 + k / 128.0;
+        float edge32 = (float)edge; /* every edge is a float32 too */
+        CHECK(pi0_state_bin(edge) == k, "edge %d", k);
+        CHECK(pi0_state_bin(nextafter(edge, -INFINITY)) == k - 1, "just below edge %d", k);
+        CHECK(pi0_state_bin(nextafter(edge, INFINITY)) == k, "just above edge %d", k);
+        CHECK(pi0_state_bin(nextafterf(edge32, -INFINITY)) == k - 1, "float32 below edge %d", k);
+        CHECK(pi0_state_bin(nextafterf(edge32, INFINITY)) == k, "float32 above edge %d", k);
+    }
+    const struct {
+        double x;
+        int bin;
+    } cases[] = {
+        {-1.0, 0}, {1.0, 255}, {-1.0000001, -1}, {1.0000001, 255}, {0.9999999, 255},
+        {1.0 - 1.0 / 128, 255}, {0.0, 128}, {-0.0, 128}, {-4.9e-324, 127}, {4.9e-324, 128},
+        {0.5 - 0x1p-54, 191}, /* (x + 1) * 128 would round up to the edge: 192 */
+        {-0.5 - 0x1p-53, 63}, {-1e300, -1}, {1e300, 255}, {-1.7976931348623157e308, -1},
+        {1.7976931348623157e308, 255}, /* x * 128 overflows to inf */
+        {-INFINITY, -1}, {INFINITY, 255}, {NAN, 255}, {-NAN, 255},
+        {0.7320070266723633, 221}, {-0.5140767097473145, 62},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        CHECK(pi0_state_bin(cases[i].x) == cases[i].bin, "x = %.17g: bin %d, want %d", cases[i].x,
+              pi0_state_bin(cases[i].x), cases[i].bin);
+        CHECK(reference_bin(cases[i].x) == cases[i].bin, "reference, x = %.17g", cases[i].x);
+    }
+    uint64_t rng = 0x243F6A8885A308D3ull;
+    for (int i = 0; i < 100000; i++) { /* random bit patterns: every magnitude, NaNs and infinities */
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        double x;
+        uint64_t bits = i % 2 ? rng : (rng & 0x800FFFFFFFFFFFFFull) | 0x3FE0000000000000ull; /* [0.5, 1) */
+        memcpy(&x, &bits, sizeof x);
+        if (i % 4 == 1) x = ldexp((double)(rng >> 11), -52) - 1.0 - 0x1p-10; /* about [-1, 1] */
+        CHECK(pi0_state_bin(x) == reference_bin(x), "x = %.17g", x);
+    }
+}
+
+static int state_prompt_is(const pi0_tokenizer *tok, const char *prompt, const double *state,
+                           int dim, int max_len, const char *text) {
+    int32_t ids[64], want[64];
+    uint8_t mask[64];
+    size_t count = 0;
+    int valid = -1;
+    pi0_error err = {0};
+    want[0] = 2;
+    if (pi0_tokenizer_encode(tok, text, strlen(text), want + 1, 63, &count, &err) != PI0_OK ||
+        pi0_tokenize_prompt_with_state(tok, prompt, state, dim, max_len, ids, mask, &valid, &err) !=
+            PI0_OK) {
+        fprintf(stderr, "  %s\n", err.message);
+        return 0;
+    }
+    int want_valid = (int)(count + 1 < (size_t)max_len ? count + 1 : (size_t)max_len);
+    int same = valid == want_valid;
+    for (int i = 0; same && i < max_len; i++)
+        same = ids[i] == (i < want_valid ? want[i] : 0) && mask[i] == (i < want_valid);
+    return same;
+}
+
+/* The text is exactly openpi's f-string: [BOS] + encode(text), no separate "\n" piece. */
+TEST(test_prompt_with_state) {
+    pi0_tokenizer *tok = load_fixture();
+    REQUIRE(tok);
+    const double state[] = {-2.0, -1.0, -0.0, 0.5 - 0x1p-54, 1.0, NAN, -INFINITY, 1e30};
+    CHECK(state_prompt_is(tok, "  pick_up\nthe fork \xe3\x80\x80", state, 8, 64,
+                          "Task: pick up the fork, State: -1 0 128 191 255 255 -1 255;\nAction: "));
+    CHECK(state_prompt_is(tok, "", state, 1, 64, "Task: , State: -1;\nAction: "));
+    CHECK(state_prompt_is(tok, "x", NULL, 0, 64, "Task: x, State: ;\nAction: "));
+    CHECK(state_prompt_is(tok, "x", state, 8, 5, "Task: x, State: -1 0 128 191 255 255 -1 255;\nAction: "));
+    CHECK(state_prompt_is(tok, "x", state, 8, 1, "Task: x"));
+
+    int32_t ids[4];
+    uint8_t mask[4];
+    pi0_error err = {0};
+    CHECK(pi0_tokenize_prompt_with_state(tok, "x", NULL, 2, 4, ids, mask, NULL, &err) ==
+          PI0_ERR_INVALID_ARGUMENT);
+    CHECK(pi0_tokenize_prompt_with_state(tok, "x", state, -1, 4, ids, mask, NULL, &err) ==
+          PI0_ERR_INVALID_ARGUMENT);
+    CHECK(pi0_tokenize_prompt_with_state(tok, "x", state, 2, 0, ids, mask, NULL, &err) ==
+          PI0_ERR_INVALID_ARGUMENT);
+    CHECK(pi0_tokenize_prompt_with_state(tok, NULL, state, 2, 4, ids, mask, NULL, &err) ==
+          PI0_ERR_INVALID_ARGUMENT);
+    CHECK(pi0_tokenize_prompt_with_state(NULL, "x", state, 2, 4, ids, mask, NULL, &err) ==
+          PI0_ERR_INVALID_ARGUMENT);
+    pi0_tokenizer_free(tok);
+}
+
 /* ---- Model variants: protobuf fields appended to the fixture (later fields override or merge
  * into earlier ones, so sentencepiece sees the edited model) ---------------------------------- */
 
@@ -345,6 +502,149 @@ static void test_charsmap(void) {
     CHECK(!load_blob(charsmap_variant(4096, units, 1024, "b", 2), &err));
 }
 
+/* ---- Encoding in chunks, and only as far as the ids kept ----------------------------------- */
+
+static uint64_t rng_next(uint64_t *state) { /* xorshift64* */
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    return *state * 0x2545F4914F6CDD1Dull;
+}
+
+/* Appends a random fragment of text: mostly a vocabulary piece, else spaces, punctuation, digits,
+ * special-piece look-alikes, other scripts, U+2581 (whole or cut) or a malformed byte. */
+static void put_fragment(blob *b, const pi0_tokenizer *tok, uint64_t *rng) {
+    static const char *const others[] = {" ", "  ", "   ", "\t", "\xe3\x80\x80", "\xc2\xa0", ",", ".",
+                                         "!?", "123", "7", "<loc0001>", "<loc0000>", "<loc00",
+                                         "\xc3\xa9", "\xe6\x8a\x8a", "\xf0\x9f\xa4\x96", "\xe2\x96\x81",
+                                         "\xe2\x96", "\xff", "\xc3", "e\xe2\x96\x81", "A"};
+    uint64_t r = rng_next(rng);
+    if (r % 3) { /* a vocabulary piece, its U+2581 as a space */
+        const char *piece = pi0_tokenizer_piece(tok, 200 + (int)(r / 3 % 1800));
+        for (; *piece; piece++) {
+            if (memcmp(piece, "\xe2\x96\x81", 3) == 0) {
+                put_bytes(b, " ", 1);
+                piece += 2;
+            } else if (*piece != '_' && *piece != '\n') {
+                put_bytes(b, piece, 1);
+            }
+        }
+    } else {
+        const char *other = others[r / 3 % (sizeof others / sizeof *others)];
+        put_bytes(b, other, strlen(other));
+    }
+}
+
+/* Encodes with `whole` (a model with an UNUSED piece, which is encoded whole) and checks that
+ * `tok` gives the same ids, chunked, and that pi0_tokenize_prompt keeps exactly their beginning
+ * at every max_len. The text starts and ends with "x" and has no "_" or "\n": cleaning keeps it. */
+static int kept_ids_match(const pi0_tokenizer *tok, const pi0_tokenizer *whole, const char *text) {
+    enum { CAPACITY = 8192 };
+    static int32_t want[CAPACITY + 1], got[CAPACITY], prompt[CAPACITY];
+    static uint8_t mask[CAPACITY];
+    size_t count = 0, newline = 0, chunked = 0, n = strlen(text);
+    pi0_error err = {0};
+    if (pi0_tokenizer_encode(whole, text, n, want + 1, CAPACITY - 1, &count, &err) != PI0_OK ||
+        pi0_tokenizer_encode(tok, text, n, got, CAPACITY, &chunked, &err) != PI0_OK ||
+        count + 8 > CAPACITY || chunked != count ||
+        pi0_tokenizer_encode(whole, "\n", 1, want + 1 + count, 4, &newline, &err) != PI0_OK ||
+        newline > 4) {
+        fprintf(stderr, "  %zu ids, %zu chunked: %s\n", count, chunked, err.message);
+        return 0;
+    }
+    if (memcmp(got, want + 1, count * sizeof *got) != 0) return 0;
+    want[0] = pi0_tokenizer_bos_id(tok);
+    size_t total = 1 + count + newline;
+    for (int max_len = 1; max_len <= (int)total + 2; max_len += 1 + max_len / 4) {
+        int valid = -1;
+        if (pi0_tokenize_prompt(tok, text, max_len, prompt, mask, &valid, &err) != PI0_OK) return 0;
+        int same = valid == (int)(total < (size_t)max_len ? total : (size_t)max_len);
+        for (int i = 0; same && i < valid; i++) same = prompt[i] == want[i];
+        if (!same) {
+            fprintf(stderr, "  max_len %d: %d valid of %zu\n", max_len, valid, total);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static pi0_tokenizer *load_variant(const uint8_t *extra, size_t n, int whole) {
+    /* pieces { piece: "\x7f\x7f" type: UNUSED }: a piece no test text can form */
+    static const uint8_t unused[] = {0x0A, 6, 0x0A, 2, 0x7F, 0x7F, 0x18, 5};
+    blob b = fixture_plus(extra, n, sizeof unused);
+    if (whole) put_bytes(&b, unused, sizeof unused);
+    pi0_error err = {0};
+    pi0_tokenizer *tok = load_blob(b, &err);
+    if (!tok) fprintf(stderr, "  load: %s\n", err.message);
+    return tok;
+}
+
+/* Long random texts through every normalizer setting and user-defined symbols that span a space
+ * and nest ("e▁", "e▁t": cut at a budget's end, the longer one looks like the shorter), so that
+ * chunks are cut next to frozen symbols, inside runs of spaces and at the budgets' edges. */
+TEST(test_kept_ids) {
+    REQUIRE(read_fixture_model());
+    static const uint8_t none[] = {0};
+    static const uint8_t dummy_prefix[] = {0x1A, 4, 0x18, 1, 0x20, 1};
+    static const uint8_t suffix[] = {0x1A, 4, 0x18, 1, 0x20, 1, 0x12, 3, 0xC0, 0x01, 1};
+    static const uint8_t no_escape[] = {0x1A, 4, 0x28, 0, 0x20, 1};
+    /* pieces { piece: "e▁" type: USER_DEFINED } pieces { piece: "e▁t" type: USER_DEFINED } */
+    static const uint8_t user_symbols[] = {0x0A, 8, 0x0A, 4, 'e', 0xE2, 0x96, 0x81, 0x18, 4,
+                                           0x0A, 9, 0x0A, 5, 'e', 0xE2, 0x96, 0x81, 't', 0x18, 4};
+    const struct {
+        const uint8_t *extra;
+        size_t size;
+    } variants[] = {{none, 0},
+                    {dummy_prefix, sizeof dummy_prefix},
+                    {suffix, sizeof suffix},
+                    {no_escape, sizeof no_escape},
+                    {user_symbols, sizeof user_symbols}};
+    uint64_t rng = 0x6A09E667F3BCC908ull;
+    blob text = {malloc(1 << 16), 0};
+    REQUIRE(text.data);
+    for (size_t v = 0; v < sizeof variants / sizeof *variants; v++) {
+        pi0_tokenizer *tok = load_variant(variants[v].extra, variants[v].size, 0);
+        pi0_tokenizer *whole = load_variant(variants[v].extra, variants[v].size, 1);
+        CHECK(tok && whole, "variant %zu", v);
+        for (int t = 0; tok && whole && t < 150; t++) {
+            text.size = 0;
+            put_bytes(&text, "x", 1);
+            int parts = (int)(rng_next(&rng) % (t % 3 ? 60 : 600));
+            for (int i = 0; i < parts; i++) put_fragment(&text, tok, &rng);
+            put_bytes(&text, "x", 2); /* with the NUL */
+            CHECK(kept_ids_match(tok, whole, (const char *)text.data), "variant %zu text %d: %s", v,
+                  t, (const char *)text.data);
+        }
+        pi0_tokenizer_free(tok);
+        pi0_tokenizer_free(whole);
+    }
+    free(text.data);
+}
+
+/* A prompt of 16 MiB costs what its first ids cost (it took seconds when encoded whole). */
+TEST(test_huge_prompt) {
+    pi0_tokenizer *tok = load_fixture();
+    REQUIRE(tok);
+    size_t n = ((size_t)1 << 24) - 64; /* the text around it stays within the 16 MiB limit */
+    char *prompt = malloc(n + 1);
+    REQUIRE(prompt);
+    for (size_t i = 0; i < n; i++) prompt[i] = "pick up the fork "[i % 17];
+    prompt[n] = '\0';
+    int32_t ids[2][200];
+    uint8_t mask[2][200];
+    int valid[2];
+    pi0_error err = {0};
+    const double state[2] = {0.5, -0.25};
+    CHECK(pi0_tokenize_prompt_with_state(tok, prompt, state, 2, 200, ids[0], mask[0], &valid[0],
+                                         &err) == PI0_OK, "%s", err.message);
+    prompt[17 * 100] = '\0'; /* 400 words: still more than 200 ids */
+    CHECK(pi0_tokenize_prompt_with_state(tok, prompt, state, 2, 200, ids[1], mask[1], &valid[1],
+                                         &err) == PI0_OK);
+    CHECK(valid[0] == 200 && valid[1] == 200 && memcmp(ids[0], ids[1], sizeof ids[0]) == 0);
+    free(prompt);
+    pi0_tokenizer_free(tok);
+}
+
 static void test_model_errors(void) {
     REQUIRE(read_fixture_model());
     pi0_error err = {0};
@@ -437,13 +737,6 @@ static void test_truncated_models(void) {
     CHECK(load_and_poke(model_bytes, model_size));
 }
 
-static uint64_t rng_next(uint64_t *state) { /* xorshift64* */
-    *state ^= *state >> 12;
-    *state ^= *state << 25;
-    *state ^= *state >> 27;
-    return *state * 0x2545F4914F6CDD1Dull;
-}
-
 static void test_mutated_models(void) {
     REQUIRE(read_fixture_model());
     uint8_t *mutant = malloc(model_size);
@@ -505,8 +798,13 @@ int main(int argc, char **argv) {
     RUN(test_encode_capacity);
     RUN(test_oversized_input);
     RUN(test_prompt);
+    RUN(test_pi05_fixture);
+    RUN(test_state_bins);
+    RUN(test_prompt_with_state);
     RUN(test_normalizer_flags);
     RUN(test_charsmap);
+    RUN(test_kept_ids);
+    RUN(test_huge_prompt);
     RUN(test_model_errors);
     RUN(test_lenient_wire_data);
     RUN(test_truncated_models);

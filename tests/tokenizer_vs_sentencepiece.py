@@ -6,10 +6,10 @@
 TOOL is the compiled tests/tokenize_tool.c (this script builds nothing):
 
     cc -std=c11 -O2 -D_GNU_SOURCE -Iinclude -Isrc tests/tokenize_tool.c \\
-       src/policy/tokenizer.c src/util/error.c -o build/tokenize_tool
+       src/policy/tokenizer.c src/util/error.c -lm -o build/tokenize_tool
 
 MODEL is a sentencepiece BPE model, e.g. ../shared/fixtures/tokenizer/tok.model. Needs the PyPI
-packages `sentencepiece` and `protobuf`.
+packages `sentencepiece`, `protobuf` and `numpy`.
 
 Besides MODEL itself (N strings), the script checks variants of it that exercise what MODEL leaves
 at identity (N/3 strings each): add_dummy_prefix + remove_extra_whitespaces, whitespace as suffix,
@@ -20,6 +20,10 @@ runs -> one unk), and extra user-defined symbols that overlap each other and ord
 The strings mix scripts, emoji (ZWJ sequences, skin tones, flags, keycaps), combining marks,
 whitespace runs, digits, punctuation, underscores, control characters, special-piece look-alikes
 and malformed UTF-8.
+Then Pi0.5's discrete state: `tokenize_tool --bins` against numpy.digitize (openpi's binning) on
+random float32 and float64 states (bin edges and their neighbours, signed zeros, infinities, NaN,
+every magnitude), and `tokenize_tool --pi05` against openpi's PaligemmaTokenizer.tokenize(prompt,
+state) (its code copied below) on random prompts, states and max_len, with MODEL and each variant.
 Every mismatch is printed with the string and both id lists; the exit status is 1 if any.
 """
 import argparse
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
@@ -221,11 +226,8 @@ def run_tool(tool, model_path, strings):
     return [[int(x) for x in line.split()] for line in lines]
 
 
-def check_variant(name, serialized, tool, strings, tmpdir, max_report=20):
+def check_variant(name, serialized, tool, strings, path, max_report=20):
     sp = spm.SentencePieceProcessor(model_proto=serialized)
-    path = os.path.join(tmpdir, "variant.model")
-    with open(path, "wb") as f:
-        f.write(serialized)
     ours = run_tool(tool, path, strings)
     mismatches = 0
     for text, got in zip(strings, ours):
@@ -239,6 +241,116 @@ def check_variant(name, serialized, tool, strings, tmpdir, max_report=20):
             print(f"  C tokenizer:   {got} {[sp.id_to_piece(i) if 0 <= i < sp.vocab_size() else '?' for i in got]}")
     print(f"{name}: {len(strings) - mismatches}/{len(strings)} match")
     return mismatches
+
+
+def openpi_tokenize(sp, max_len, prompt, state):
+    """openpi's PaligemmaTokenizer.tokenize (src/openpi/models/tokenizer.py), with `sp` as its model."""
+    cleaned_text = prompt.strip().replace("_", " ").replace("\n", " ")
+    if state is not None:
+        discretized_state = np.digitize(state, bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+        state_str = " ".join(map(str, discretized_state))
+        full_prompt = f"Task: {cleaned_text}, State: {state_str};\nAction: "
+        tokens = sp.encode(full_prompt, add_bos=True)
+    else:
+        tokens = sp.encode(cleaned_text, add_bos=True) + sp.encode("\n")
+    tokens_len = len(tokens)
+    if tokens_len < max_len:
+        padding = [False] * (max_len - tokens_len)
+        mask = [True] * tokens_len + padding
+        tokens = tokens + padding
+    else:
+        tokens = tokens[:max_len]
+        mask = [True] * max_len
+    return np.asarray(tokens), np.asarray(mask)
+
+
+def random_state(rng, dtype):
+    """A state vector of `dtype` mixing plain values, bin edges, their neighbours and specials."""
+    edges = np.linspace(-1, 1, 257).astype(dtype)
+    values = []
+    for _ in range(rng.randint(0, 40)):
+        kind = rng.random()
+        if kind < 0.3:
+            values.append(dtype(rng.uniform(-1.3, 1.3)))
+        elif kind < 0.7:  # an edge or one of its nearest neighbours in this dtype
+            edge = edges[rng.randrange(257)]
+            values.append(np.nextafter(edge, dtype(rng.choice([-np.inf, 0, np.inf])), dtype=dtype))
+        elif kind < 0.85:
+            values.append(dtype(rng.choice([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45,
+                                            1e30, -1e30, np.finfo(dtype).max, -np.finfo(dtype).max])))
+        else:  # any bit pattern
+            bits = rng.getrandbits(8 * np.dtype(dtype).itemsize)
+            values.append(np.array([bits], dtype=f"u{np.dtype(dtype).itemsize}").view(dtype)[0])
+    return np.array(values, dtype=dtype)
+
+
+def state_hex(state):
+    """The state's values as little-endian float64s, which is what the C API takes (exact for
+    float32: numpy compares a float32 state with the float64 edges in float64 too)."""
+    with np.errstate(invalid="ignore"):  # signaling NaNs among the random bit patterns
+        return state.astype("<f8").tobytes().hex()
+
+
+def check_state_bins(tool, rng, count, max_report=20):
+    states = [random_state(rng, np.float32 if i % 2 else np.float64) for i in range(count)]
+    proc = subprocess.run([tool, "--bins"], input="".join(state_hex(s) + "\n" for s in states),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tool} --bins failed ({proc.returncode}): {proc.stderr.strip()}")
+    lines = proc.stdout.split("\n")[:-1]
+    total = bad = 0
+    edges = np.linspace(-1, 1, 256 + 1)[:-1]
+    for state, line in zip(states, lines, strict=True):
+        with np.errstate(invalid="ignore"):
+            want = np.digitize(state, bins=edges) - 1  # openpi's binning, on the state's own dtype
+        got = [int(x) for x in line.split()]
+        total += len(state)
+        for x, w, g in zip(state, want, got, strict=True):
+            if w != g:
+                bad += 1
+                if bad <= max_report:
+                    print(f"MISMATCH [state bin] {state.dtype} {x!r}: numpy {w}, C {g}")
+    print(f"state bins: {total - bad}/{total} values match numpy.digitize")
+    return total, bad
+
+
+def check_pi05_prompts(name, tool, model_path, serialized, words, rng, count, max_report=20):
+    """Pi0.5 prompts, a third of them long (the C tokenizer then encodes only as far as max_len
+    needs, in chunks: this checks that the ids kept are still the ones of encoding it all)."""
+    sp = spm.SentencePieceProcessor(model_proto=serialized)
+    fixed = ["pick up the fork", "  open_the drawer\n", "", "Put 3 cups\nin the sink!"]
+    cases = []
+    for i in range(count):
+        if i < len(fixed):
+            text = fixed[i]
+        elif i % 3 == 0:
+            text = b" ".join(random_text(rng, words) for _ in range(rng.randint(5, 60)))
+        else:
+            text = random_text(rng, words)
+        # openpi takes a str: valid UTF-8 only, and the C API's NUL-terminated string has no NUL
+        prompt = text.decode("utf-8", "replace").replace("\0", " ") if isinstance(text, bytes) else text
+        cases.append((prompt, random_state(rng, rng.choice([np.float32, np.float64]))))
+    bad = 0
+    for max_len in (1, 24, 200, rng.randint(2, 300)):
+        stdin = "".join(p.encode().hex() + " " + state_hex(s) + "\n" for p, s in cases)
+        proc = subprocess.run([tool, "--pi05", model_path, str(max_len)], input=stdin,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{tool} --pi05 failed ({proc.returncode}): {proc.stderr.strip()}")
+        for (prompt, state), line in zip(cases, proc.stdout.split("\n")[:-1], strict=True):
+            valid, *got = (int(x) for x in line.split())
+            with np.errstate(invalid="ignore"):
+                tokens, mask = openpi_tokenize(sp, max_len, prompt, state)
+            if got == tokens.tolist() and valid == int(mask.sum()):
+                continue
+            bad += 1
+            if bad <= max_report:
+                print(f"MISMATCH [{name}, Pi0.5, max_len {max_len}] prompt={prompt!r} state={state!r}")
+                print(f"  openpi: {tokens.tolist()} ({int(mask.sum())} valid)")
+                print(f"  C:      {got} ({valid} valid)")
+    total = 4 * len(cases)
+    print(f"{name}: {total - bad}/{total} Pi0.5 prompts match openpi's PaligemmaTokenizer.tokenize")
+    return total, bad
 
 
 def main():
@@ -257,15 +369,25 @@ def main():
     fixed = [b"", b" ", b"  ", b"\n", b"a", b"pick up the fork", b"  leading and trailing  ",
              "<start_of_turn>user pick_up<end_of_turn>\n".encode()]
 
-    total = mismatches = 0
+    total = mismatches = prompts_total = prompts_bad = 0
     with tempfile.TemporaryDirectory() as tmpdir:
         for i, (name, serialized) in enumerate(variants(base, args.seed)):
             count = args.count if i == 0 else max(args.count // 3, 1)
             strings = make_strings(random.Random(args.seed + i), words, count, fixed)
-            mismatches += check_variant(name, serialized, args.tool, strings, tmpdir)
+            path = os.path.join(tmpdir, "variant.model")
+            with open(path, "wb") as f:
+                f.write(serialized)
+            mismatches += check_variant(name, serialized, args.tool, strings, path)
             total += len(strings)
-    print(f"{total - mismatches}/{total} strings match sentencepiece {spm.__version__}")
-    return 1 if mismatches else 0
+            n, bad = check_pi05_prompts(name, args.tool, path, serialized, words,
+                                        random.Random(args.seed + i), max(count // 20, 1))
+            prompts_total += n
+            prompts_bad += bad
+    bins_total, bins_bad = check_state_bins(args.tool, random.Random(args.seed), max(args.count, 1))
+    print(f"{total - mismatches}/{total} strings match sentencepiece {spm.__version__}, "
+          f"{bins_total - bins_bad}/{bins_total} state values bin as numpy {np.__version__} digitize, "
+          f"{prompts_total - prompts_bad}/{prompts_total} Pi0.5 prompts match openpi's")
+    return 1 if mismatches or bins_bad or prompts_bad else 0
 
 
 if __name__ == "__main__":

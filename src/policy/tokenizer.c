@@ -19,6 +19,9 @@
  *      is unknown; with byte_fallback it becomes its UTF-8 bytes as <0xXX> pieces, without it a
  *      run of unknown symbols becomes one unk id.
  *
+ * The normalized text is encoded in chunks cut where no merge can cross (see "Encoding in chunks"
+ * below), and the prompt functions stop a little past the ids they keep.
+ *
  * The `.model` file is parsed by a small protobuf wire-format reader; every length is checked
  * against the buffer, so a corrupt file is an error, never an out-of-bounds read. The model is
  * validated like ModelInterface::InitializePieces and Normalizer::Init do (unique pieces, 256 byte
@@ -27,6 +30,7 @@
 #include "policy/tokenizer.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,6 +100,13 @@ struct pi0_tokenizer {
     uint8_t user_first_byte[256];
     uint32_t *user_lengths;
     int num_user_lengths;
+
+    /* For encoding only the ids that are kept (encode_kept): a bit set of the hashes of every two
+     * adjacent characters inside a piece BPE may form (NULL: the text is encoded whole), and how
+     * far past a position splitting the text into symbols looks (4, or the longest user symbol). */
+    uint64_t *pair_filter;
+    size_t pair_filter_mask;
+    size_t lookahead;
 
     /* Precompiled charsmap: a darts-clone double array (units) and the NUL-terminated replacement
      * strings its values point into. NULL trie = identity. */
@@ -512,6 +523,8 @@ static pi0_status load_charsmap(pi0_tokenizer *tok, const uint8_t *blob, size_t 
     return PI0_OK;
 }
 
+static pi0_status build_pair_filter(pi0_tokenizer *tok, pi0_error *err);
+
 static pi0_status build(pi0_tokenizer *tok, const uint8_t *data, size_t size, pi0_error *err) {
     if (size >= MAX_MODEL_BYTES)
         return pi0_fail(err, PI0_ERR_FORMAT, "tokenizer model: file too large (%zu bytes)", size);
@@ -531,6 +544,7 @@ static pi0_status build(pi0_tokenizer *tok, const uint8_t *data, size_t size, pi
     if ((st = index_pieces(tok, err)) != PI0_OK) return st;
     if ((st = index_user_symbols(tok, err)) != PI0_OK) return st;
     if ((st = load_charsmap(tok, mp.charsmap, mp.charsmap_length, err)) != PI0_OK) return st;
+    if ((st = build_pair_filter(tok, err)) != PI0_OK) return st;
 
     /* SentencePieceProcessor::bos_id(): bos_piece ("<s>" when empty), if that is a CONTROL piece. */
     if (mp.bos_piece_length == 0) {
@@ -610,6 +624,7 @@ void pi0_tokenizer_free(pi0_tokenizer *tok) {
     free(tok->arena);
     free(tok->slots);
     free(tok->user_lengths);
+    free(tok->pair_filter);
     free(tok->trie);
     free(tok->replacements);
     free(tok);
@@ -771,8 +786,12 @@ static int append_escaped(const pi0_tokenizer *tok, byte_buffer *out, const char
     return 1;
 }
 
-/* Normalizer::Normalize. Returns 0 when out of memory. */
-static int normalize(const pi0_tokenizer *tok, const char *s, size_t n, byte_buffer *out) {
+/* Normalizer::Normalize, or its beginning: the main loop stops once `budget` bytes are out, and
+ * *complete says whether it got to the end. Returns 0 when out of memory. The loop only appends and
+ * every prefix is matched against the whole remaining input, so a stopped run's output is the
+ * full run's before the end (trailing spaces, suffix dummy): see final_prefix. */
+static int normalize(const pi0_tokenizer *tok, const char *s, size_t n, size_t budget,
+                     byte_buffer *out, int *complete) {
     norm_prefix p;
     /* remove_extra_whitespaces drops leading prefixes that normalize to exactly " " */
     while (tok->remove_extra_whitespaces && n > 0) {
@@ -781,12 +800,13 @@ static int normalize(const pi0_tokenizer *tok, const char *s, size_t n, byte_buf
         s += p.consumed;
         n -= p.consumed;
     }
+    *complete = 1;
     if (n == 0) return 1;
     /* the dummy prefix goes in front, or at the end when whitespace is a suffix */
     if (!tok->treat_whitespace_as_suffix && tok->add_dummy_prefix && !append_space(tok, out)) return 0;
 
     int prev_is_space = tok->remove_extra_whitespaces;
-    while (n > 0) {
+    while (n > 0 && out->length < budget) {
         p = normalize_prefix(tok, s, n);
         /* after a space, remove_extra_whitespaces drops the spaces a prefix starts with */
         while (prev_is_space && p.length > 0 && p.text[0] == ' ') {
@@ -801,6 +821,8 @@ static int normalize(const pi0_tokenizer *tok, const char *s, size_t n, byte_buf
         n -= p.consumed;
         if (!tok->remove_extra_whitespaces) prev_is_space = 0;
     }
+    *complete = n == 0;
+    if (!*complete) return 1;
 
     if (tok->remove_extra_whitespaces) { /* trailing spaces, as they were appended */
         const char *space = tok->escape_whitespaces ? SPACE_SYMBOL : " ";
@@ -1022,22 +1044,153 @@ static pi0_status bpe_encode(const pi0_tokenizer *tok, const char *text, size_t 
     return st;
 }
 
-pi0_status pi0_tokenizer_encode(const pi0_tokenizer *tok, const char *text, size_t length,
-                                int32_t *ids, size_t capacity, size_t *count, pi0_error *err) {
-    if (!tok || !count || (!text && length > 0) || (!ids && capacity > 0))
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenizer: NULL argument");
+/* ---------------------------------------------------------------------------------------------
+ * Encoding in chunks, and only as far as the ids that are kept
+ *
+ * A boundary p of the normalized text's split into symbols (split_symbols) is a barrier when no
+ * symbol can ever span it: when the symbol before or after p is a user-defined symbol (frozen:
+ * never merged), or when no piece BPE may form (NORMAL, USER_DEFINED or UNUSED: maybe_add_pair's
+ * test) holds the two characters c1 c2 beside p side by side. A merged symbol is a run of whole
+ * characters of the text spelling such a piece, and the piece's characters found with
+ * one_char_len from its first byte are those characters, so a symbol spanning p would put c1 c2
+ * side by side in that piece. The pairs are kept as a bit set of hashes (a collision only costs
+ * a barrier). Then:
+ *   - a chunk of text between two boundaries splits into the whole text's symbols there (a match
+ *     that ended inside the chunk is found the same when the text ends with the chunk: shorter
+ *     candidates come first);
+ *   - no pair across a barrier is ever queued, so each side makes the merges it makes alone, in
+ *     the same order (the agenda's pick, highest score then leftmost, is also the best of the
+ *     side it falls on), and resegments and emits them the same, through one id sink (so a run
+ *     of unknowns carries over). The exception is an UNUSED piece: resegment reads the split
+ *     recorded last for it anywhere in the text, so a model with UNUSED pieces gets no filter
+ *     and its texts are encoded whole.
+ * So the normalized text is encoded in chunks cut at barriers (which keeps the BPE arrays small),
+ * and when only the first `enough` ids matter, encoding stops at the first barrier past them. The
+ * normalization then stops after a budget of bytes (see normalize): what it wrote is the whole
+ * run's up to final_prefix(), and the split is the whole text's for the symbols starting at
+ * least `lookahead` bytes before that, as split_symbols reads no further ahead. When no barrier
+ * comes in time the budget grows fourfold and the work starts over, so the total stays within a
+ * constant factor of the work up to the last id kept (or of encoding the whole text, at worst).
+ * ------------------------------------------------------------------------------------------- */
+
+/* The smallest chunk bpe_encode gets (it allocates per call). */
+#define MIN_CHUNK_BYTES 64
+
+/* The filter bit of the characters s[0..first) and s[first..first + second) side by side. */
+static uint64_t pair_bit(const pi0_tokenizer *tok, const char *s, size_t first, size_t second) {
+    return (hash_bytes(s, first + second) ^ first * 0x9E3779B97F4A7C15ull) & tok->pair_filter_mask;
+}
+
+static int pair_may_merge(const pi0_tokenizer *tok, const char *s, size_t first, size_t second) {
+    uint64_t bit = pair_bit(tok, s, first, second);
+    return (int)(tok->pair_filter[bit >> 6] >> (bit & 63) & 1);
+}
+
+static pi0_status build_pair_filter(pi0_tokenizer *tok, pi0_error *err) {
+    tok->lookahead = 4; /* one_char_len's longest character */
+    if (tok->num_user_lengths > 0 && tok->user_lengths[tok->num_user_lengths - 1] > 4)
+        tok->lookahead = tok->user_lengths[tok->num_user_lengths - 1];
+    size_t bytes = 0;
+    for (int id = 0; id < tok->num_pieces; id++) {
+        const piece_entry *p = &tok->pieces[id];
+        if (p->type == PIECE_UNUSED && find_piece(tok, piece_text(tok, id), p->length) == id)
+            return PI0_OK; /* no filter: texts are encoded whole */
+        if (!is_reserved(tok, id)) bytes += p->length;
+    }
+    size_t bits = 64;
+    while (bits < 8 * bytes) bits *= 2; /* at most one bit in 8 set */
+    tok->pair_filter = calloc(bits / 64, sizeof *tok->pair_filter);
+    if (!tok->pair_filter) return out_of_memory(err);
+    tok->pair_filter_mask = bits - 1;
+    for (int id = 0; id < tok->num_pieces; id++) {
+        if (is_reserved(tok, id)) continue;
+        const char *s = piece_text(tok, id);
+        size_t n = tok->pieces[id].length, prev = 0, length;
+        for (size_t pos = 0; pos < n; prev = pos, pos += length) {
+            length = one_char_len((uint8_t)s[pos]); /* clipped like split_symbols at the text end */
+            if (length > n - pos) length = n - pos;
+            if (pos == 0) continue;
+            uint64_t bit = pair_bit(tok, s + prev, pos - prev, length);
+            tok->pair_filter[bit >> 6] |= 1ull << (bit & 63);
+        }
+    }
+    return PI0_OK;
+}
+
+/* How much of a stopped normalization is final: with remove_extra_whitespaces, the full run drops
+ * the spaces that end the text, a suffix made of the space symbol's bytes; it cannot reach past
+ * the last byte that is none of them. */
+static size_t final_prefix(const pi0_tokenizer *tok, const char *text, size_t length) {
+    if (!tok->remove_extra_whitespaces) return length;
+    const char *space = tok->escape_whitespaces ? SPACE_SYMBOL : " ";
+    while (length > 0 && memchr(space, text[length - 1], strlen(space))) length--;
+    return length;
+}
+
+/* Encodes the normalized text[0..length) into `sink` chunk by chunk, stopping at a barrier once
+ * `enough` ids are out. `complete`: the text is all of it (else it is a stopped normalization's,
+ * and what follows its last barrier in reach is left out). */
+static pi0_status encode_chunks(const pi0_tokenizer *tok, const char *text, size_t length,
+                                int complete, size_t enough, id_sink *sink, pi0_error *err) {
+    size_t known = complete ? length : final_prefix(tok, text, length);
+    size_t decided = complete ? length : known > tok->lookahead ? known - tok->lookahead : 0;
+    size_t start = 0, prev = 0, pos = 0;
+    int prev_frozen = 1;
+    pi0_status st = PI0_OK;
+    /* split_symbols' walk: each symbol starting before `decided` is the whole text's */
+    while (tok->pair_filter && pos < decided && sink->count < enough && st == PI0_OK) {
+        int frozen;
+        size_t symbol = match_user_symbol(tok, text + pos, known - pos, &frozen);
+        int barrier = prev_frozen || frozen || !pair_may_merge(tok, text + prev, pos - prev, symbol);
+        if (barrier && pos - start >= MIN_CHUNK_BYTES) {
+            st = bpe_encode(tok, text + start, pos - start, sink, err);
+            start = pos;
+        }
+        prev = pos;
+        prev_frozen = frozen;
+        pos += symbol;
+    }
+    if (st == PI0_OK && complete && sink->count < enough)
+        st = bpe_encode(tok, text + start, length - start, sink, err);
+    return st;
+}
+
+/* pi0_tokenizer_encode, allowed to stop once `enough` ids are out (SIZE_MAX: never): then
+ * *count is only known to be at least `enough`, and ids[0..min(enough, capacity)) are final. */
+static pi0_status encode_ids(const pi0_tokenizer *tok, const char *text, size_t length,
+                             int32_t *ids, size_t capacity, size_t enough, size_t *count,
+                             pi0_error *err) {
     *count = 0;
     if (length > MAX_TEXT_BYTES)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT,
                         "tokenizer: text of %zu bytes exceeds the %zu-byte limit", length,
                         MAX_TEXT_BYTES);
-    byte_buffer normalized = {0};
-    id_sink sink = {.ids = ids, .capacity = capacity};
-    pi0_status st = normalize(tok, text, length, &normalized) ? PI0_OK : out_of_memory(err);
-    if (st == PI0_OK) st = bpe_encode(tok, normalized.data, normalized.length, &sink, err);
-    free(normalized.data);
-    if (st == PI0_OK) *count = sink.count;
-    return st;
+    /* about 16 normalized bytes an id, plus the lookahead that makes them final */
+    size_t budget = tok->pair_filter && enough < MAX_TEXT_BYTES ? 16 * enough + 256 + tok->lookahead
+                                                                : SIZE_MAX;
+    for (;;) {
+        byte_buffer normalized = {0};
+        id_sink sink = {.ids = ids, .capacity = capacity};
+        int complete;
+        pi0_status st = normalize(tok, text, length, budget, &normalized, &complete)
+                            ? encode_chunks(tok, normalized.data, normalized.length, complete,
+                                            enough, &sink, err)
+                            : out_of_memory(err);
+        free(normalized.data);
+        if (st != PI0_OK) return st;
+        if (complete || sink.count >= enough) {
+            *count = sink.count;
+            return PI0_OK;
+        }
+        budget = budget < SIZE_MAX / 4 ? 4 * budget : SIZE_MAX;
+    }
+}
+
+pi0_status pi0_tokenizer_encode(const pi0_tokenizer *tok, const char *text, size_t length,
+                                int32_t *ids, size_t capacity, size_t *count, pi0_error *err) {
+    if (!tok || !count || (!text && length > 0) || (!ids && capacity > 0))
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenizer: NULL argument");
+    return encode_ids(tok, text, length, ids, capacity, SIZE_MAX, count, err);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1064,36 +1217,116 @@ static void strip_span(const char *s, size_t n, size_t *begin, size_t *end) {
     if (*begin == n) *begin = *end = 0;
 }
 
-pi0_status pi0_tokenize_prompt(const pi0_tokenizer *tok, const char *prompt, int max_len,
-                               int32_t *ids, uint8_t *mask, int *num_valid, pi0_error *err) {
+/* prompt.strip().replace("_", " ").replace("\n", " ") of prompt[0..n), written to dst (room for n
+ * bytes); returns its length. */
+static size_t clean_prompt(const char *prompt, size_t n, char *dst) {
+    size_t begin, end;
+    strip_span(prompt, n, &begin, &end);
+    for (size_t i = begin; i < end; i++)
+        dst[i - begin] = prompt[i] == '_' || prompt[i] == '\n' ? ' ' : prompt[i];
+    return end - begin;
+}
+
+static pi0_status check_prompt_args(const pi0_tokenizer *tok, const char *prompt, int max_len,
+                                    const int32_t *ids, const uint8_t *mask, pi0_error *err) {
     if (!tok || !prompt || !ids || !mask)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenize_prompt: NULL argument");
     if (max_len <= 0)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenize_prompt: max_len %d", max_len);
     if (tok->bos_id < 0)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenize_prompt: the model has no BOS piece");
-    size_t begin, end;
-    strip_span(prompt, strlen(prompt), &begin, &end);
-    char *clean = malloc(end - begin + 1);
-    if (!clean) return out_of_memory(err);
-    for (size_t i = begin; i < end; i++)
-        clean[i - begin] = prompt[i] == '_' || prompt[i] == '\n' ? ' ' : prompt[i];
+    return PI0_OK;
+}
 
-    size_t room = (size_t)max_len, used = 1, count;
-    ids[0] = tok->bos_id;
-    pi0_status st = pi0_tokenizer_encode(tok, clean, end - begin, ids + used, room - used, &count, err);
-    free(clean);
-    if (st != PI0_OK) return st;
-    used += count < room - used ? count : room - used;
-    if (used < room) {
-        st = pi0_tokenizer_encode(tok, "\n", 1, ids + used, room - used, &count, err);
-        if (st != PI0_OK) return st;
-        used += count < room - used ? count : room - used;
-    }
+/* Appends the ids of text[0..n) to ids[*used..room), dropping those past `room` (and encoding
+ * not much further than `room`). */
+static pi0_status append_encoded(const pi0_tokenizer *tok, const char *text, size_t n,
+                                 int32_t *ids, size_t room, size_t *used, pi0_error *err) {
+    size_t count, left = room - *used;
+    pi0_status st = encode_ids(tok, text, n, ids + *used, left, left, &count, err);
+    if (st == PI0_OK) *used += count < left ? count : left;
+    return st;
+}
+
+/* openpi's padding: ids 0 and mask 0 after the `used` tokens (truncation happened already). */
+static void pad_prompt(int32_t *ids, uint8_t *mask, size_t used, size_t room, int *num_valid) {
     for (size_t i = 0; i < room; i++) {
         if (i >= used) ids[i] = 0;
         mask[i] = i < used;
     }
     if (num_valid) *num_valid = (int)used;
-    return PI0_OK;
+}
+
+pi0_status pi0_tokenize_prompt(const pi0_tokenizer *tok, const char *prompt, int max_len,
+                               int32_t *ids, uint8_t *mask, int *num_valid, pi0_error *err) {
+    pi0_status st = check_prompt_args(tok, prompt, max_len, ids, mask, err);
+    if (st != PI0_OK) return st;
+    size_t n = strlen(prompt);
+    char *clean = malloc(n + 1);
+    if (!clean) return out_of_memory(err);
+    size_t room = (size_t)max_len, used = 1;
+    ids[0] = tok->bos_id;
+    st = append_encoded(tok, clean, clean_prompt(prompt, n, clean), ids, room, &used, err);
+    free(clean);
+    /* openpi encodes "\n" apart, as the start-of-answer token */
+    if (st == PI0_OK && used < room) st = append_encoded(tok, "\n", 1, ids, room, &used, err);
+    if (st == PI0_OK) pad_prompt(ids, mask, used, room, num_valid);
+    return st;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Pi0.5 prompt formatting: the discretized state in the text
+ * ------------------------------------------------------------------------------------------- */
+
+int pi0_state_bin(double x) {
+    if (isnan(x)) return 255; /* searchsorted puts NaN after every edge */
+    /* The edges -1 + k/128 are exact doubles (numpy's linspace computes k * 2^-7 - 1 exactly), and
+     * x * 128 is exact too (a power of two; an overflow to inf still compares right), so
+     * edge_k <= x  <=>  k - 128 <= x * 128  <=>  k <= floor(x * 128) + 128. The bin is the largest
+     * such k, clamped to -1 (below every edge) and 255 (the last edge). */
+    double k = floor(x * 128.0) + 128.0;
+    return k < -1.0 ? -1 : k > 255.0 ? 255 : (int)k;
+}
+
+static const char TASK_PREFIX[] = "Task: ", STATE_PREFIX[] = ", State: ";
+static const char ACTION_SUFFIX[] = ";\nAction: ";
+
+/* Writes " ".join(map(str, bins)) at dst (room for 4 bytes a value); returns its length. */
+static size_t format_bins(const double *state, int state_dim, char *dst) {
+    size_t length = 0;
+    for (int i = 0; i < state_dim; i++)
+        length += (size_t)sprintf(dst + length, i ? " %d" : "%d", pi0_state_bin(state[i]));
+    return length;
+}
+
+pi0_status pi0_tokenize_prompt_with_state(const pi0_tokenizer *tok, const char *prompt,
+                                          const double *state, int state_dim, int max_len,
+                                          int32_t *ids, uint8_t *mask, int *num_valid,
+                                          pi0_error *err) {
+    pi0_status st = check_prompt_args(tok, prompt, max_len, ids, mask, err);
+    if (st != PI0_OK) return st;
+    if (state_dim < 0 || (!state && state_dim > 0))
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenize_prompt: state_dim %d, state %s",
+                        state_dim, state ? "given" : "NULL");
+    size_t n = strlen(prompt);
+    /* each bin is at most "255" or "-1" plus a separating space; sprintf adds a NUL */
+    size_t capacity = sizeof TASK_PREFIX + n + sizeof STATE_PREFIX + 4 * (size_t)state_dim +
+                      sizeof ACTION_SUFFIX;
+    char *text = malloc(capacity);
+    if (!text) return out_of_memory(err);
+    size_t length = sizeof TASK_PREFIX - 1;
+    memcpy(text, TASK_PREFIX, length);
+    length += clean_prompt(prompt, n, text + length);
+    memcpy(text + length, STATE_PREFIX, sizeof STATE_PREFIX - 1);
+    length += sizeof STATE_PREFIX - 1;
+    length += format_bins(state, state_dim, text + length);
+    memcpy(text + length, ACTION_SUFFIX, sizeof ACTION_SUFFIX - 1);
+    length += sizeof ACTION_SUFFIX - 1;
+
+    size_t room = (size_t)max_len, used = 1;
+    ids[0] = tok->bos_id;
+    st = append_encoded(tok, text, length, ids, room, &used, err);
+    free(text);
+    if (st == PI0_OK) pad_prompt(ids, mask, used, room, num_valid);
+    return st;
 }

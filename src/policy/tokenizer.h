@@ -50,8 +50,34 @@ const char *pi0_tokenizer_piece(const pi0_tokenizer *tok, int id);
  * `max_len` entries; *num_valid (may be NULL) gets the number of mask-1 entries. strip() removes
  * exactly the characters Python's str.isspace() accepts (ASCII whitespace, U+001C..U+001F, U+0085,
  * U+00A0, U+1680, U+2000..U+200A, U+2028, U+2029, U+202F, U+205F, U+3000) from both ends of
- * `prompt` (a NUL-terminated UTF-8 string); malformed bytes are never stripped. */
+ * `prompt` (a NUL-terminated UTF-8 string); malformed bytes are never stripped. Only what the
+ * `max_len` tokens need is encoded (besides one pass over the prompt to clean it): a long prompt
+ * costs about what its first tokens cost, and gives exactly the ids of encoding it all (see
+ * tokenizer.c for why). The 16 MiB limit of pi0_tokenizer_encode still applies to the text. */
 pi0_status pi0_tokenize_prompt(const pi0_tokenizer *tok, const char *prompt, int max_len,
                                int32_t *ids, uint8_t *mask, int *num_valid, pi0_error *err);
+
+/* Pi0.5's prompt format with the state written into it (openpi PaligemmaTokenizer.tokenize(prompt,
+ * state), PI0_SPEC §8; used when the model config's discrete_state_input is on):
+ *   text   = "Task: " + clean + ", State: " + " ".join(str(b) for b in bins) + ";\nAction: "
+ *   tokens = [BOS] + encode(text)
+ * with `clean` as in pi0_tokenize_prompt and bins[i] = pi0_state_bin(state[i]); then padded or
+ * truncated to `max_len` exactly as pi0_tokenize_prompt does (openpi also logs a warning when it
+ * truncates; this function does not). `state` holds `state_dim` values (state_dim >= 0; NULL is
+ * allowed when it is 0, giving "State: ;"): the robot's state after openpi's Normalize and before
+ * PadStatesAndActions. They are doubles because that is what openpi discretizes: Normalize meets
+ * the float64 norm stats, so the state is float64 whatever the robot sent. Pass the normalized
+ * values before any rounding to float: a float32 rounding can move a value across a bin edge. */
+pi0_status pi0_tokenize_prompt_with_state(const pi0_tokenizer *tok, const char *prompt,
+                                          const double *state, int state_dim, int max_len,
+                                          int32_t *ids, uint8_t *mask, int *num_valid,
+                                          pi0_error *err);
+
+/* openpi's bin of one normalized state value: np.digitize(x, np.linspace(-1, 1, 257)[:-1]) - 1,
+ * the index k of the last edge -1 + k/128 (k = 0..255) that is <= x, or -1 below them all: so -1
+ * for x < -1 (and -inf), 255 for x >= 1 - 1/128 (and +inf), 128 for -0.0. NaN gives 255, as
+ * numpy's searchsorted orders NaN after every edge. A float32 value passed as double bins exactly
+ * as numpy bins the float32 array (it compares in float64 against the float64 edges). */
+int pi0_state_bin(double x);
 
 #endif
