@@ -97,6 +97,7 @@ pi0_status pi0_model_load(const char *dir, const pi0_options *opts, pi0_model **
     if (st) return st;
     pi0_model *m = NULL;
     st = model_new(&ck.dims, opts, &m, err);
+    if (!st) m->horizon_given = ck.horizon_given;
     if (!st) st = checkpoint_check(&ck, m->specs, m->num_specs, err);
     if (!st)
         st = checkpoint_read(&ck, m->specs, m->num_specs, opts ? opts->progress : NULL, opts ? opts->progress_user : NULL,
@@ -118,6 +119,7 @@ pi0_status pi0_model_random(const pi0_dims *dims, uint64_t seed, const pi0_optio
     pi0_model *m = NULL;
     if (!st) st = model_new(dims, opts, &m, err);
     if (st) return st;
+    m->horizon_given = 1;
     weights_init_random(m->specs, m->num_specs, seed);
     return model_ready(m, out, err);
 }

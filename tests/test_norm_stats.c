@@ -37,11 +37,10 @@ static char tmp_dir[64];
 /* The float-vector view the checks below are written in: normalize x in place (through float64, as a
  * robot's float32 values reach numpy), unnormalize in place (rounding the float64 result to float). */
 static pi0_status normalize_f(const pi0_norm_entry *e, pi0_norm_mode mode, float *x, int n, pi0_error *err) {
-    double in[16] = {0};
-    float out[16];
+    double in[16] = {0}, out[16];
     for (int i = 0; x && i < n && i < 16; i++) in[i] = x[i];
     pi0_status st = pi0_normalize(e, mode, x ? in : NULL, x ? out : NULL, n, err);
-    for (int i = 0; !st && i < n; i++) x[i] = out[i];
+    for (int i = 0; !st && i < n; i++) x[i] = (float)out[i];
     return st;
 }
 

@@ -55,18 +55,21 @@ static const char *tokenizer_path(void) {
 
 /* ---- the pieces ---------------------------------------------------------------------------------------- */
 
-static pi0_dims tiny_dims(int vocab) {
+/* The tiny fixtures' dims, of a Pi0 or a Pi0.5 model (64 prompt tokens for Pi0.5: room for the state). */
+static pi0_dims tiny_dims(pi0_model_kind kind, int vocab) {
     char path[1024];
     pi0_dims d = {0};
     pi0_error err = {0};
     snprintf(path, sizeof path, "%s/pi0_tiny/config.json", fixtures_dir());
     if (config_load_dims(path, &d, &err)) fprintf(stderr, "  %s\n", err.message);
     d.vocab_size = vocab;
+    d.kind = kind;
+    if (kind == PI0_MODEL_PI05) d.max_token_len = 64;
     return d;
 }
 
-static pi0_model *tiny_model(int vocab) {
-    pi0_dims d = tiny_dims(vocab);
+static pi0_model *tiny_model(pi0_model_kind kind, int vocab) {
+    pi0_dims d = tiny_dims(kind, vocab);
     pi0_options opts = {.backend = PI0_BACKEND_CPU};
     pi0_model *m = NULL;
     pi0_error err = {0};
@@ -80,12 +83,12 @@ typedef struct {
     pi0_norm_stats stats;
 } parts;
 
-static int parts_open(parts *p, int vocab) {
+static int parts_open(parts *p, pi0_model_kind kind, int vocab) {
     pi0_error err = {0};
     memset(p, 0, sizeof *p);
     const char *stats = test_path("norm_stats.json");
     write_text(stats, STATS_JSON);
-    p->model = tiny_model(vocab);
+    p->model = tiny_model(kind, vocab);
     if (!p->model || pi0_tokenizer_load(tokenizer_path(), &p->tok, &err) || pi0_norm_stats_load(stats, &p->stats, &err)) {
         fprintf(stderr, "  parts: %s\n", err.message);
         return -1;
@@ -100,9 +103,10 @@ static void parts_close(parts *p) {
 }
 
 /* A policy over fresh parts (the policy owns them); `p` keeps a reference model etc. for the reference path. */
-static pi0_policy *make_policy(const char *adapter_name, int vocab, pi0_norm_mode mode, pi0_error *err) {
+static pi0_policy *make_policy(const char *adapter_name, pi0_model_kind kind, int vocab, pi0_norm_mode mode,
+                               pi0_error *err) {
     parts q;
-    if (parts_open(&q, vocab)) return NULL;
+    if (parts_open(&q, kind, vocab)) return NULL;
     pi0_adapter *a = NULL;
     if (pi0_adapter_open(adapter_name, &a, err)) {
         parts_close(&q);
@@ -114,13 +118,15 @@ static pi0_policy *make_policy(const char *adapter_name, int vocab, pi0_norm_mod
     return pol;
 }
 
-/* One observation as the reference takes it: images (NULL = absent camera), the raw state as float32. */
+/* One observation as the reference takes it: images (NULL = absent camera), the raw state as float32, and
+ * whether its normalized state goes into the prompt (Pi0.5's discrete state). */
 typedef struct {
     const pi0_image *images[3];
     const float *state;
     int n;
     const char *prompt;
     uint64_t seed;
+    int discrete_state;
 } ref_sample;
 
 /* ---- observations built in memory ------------------------------------------------------------------------ */
@@ -206,7 +212,7 @@ static void libero_make(libero_obs *o, uint32_t seed, const char *prompt) {
 }
 
 static ref_sample libero_ref(const libero_obs *o, uint64_t seed) {
-    return (ref_sample){{&o->base_img, &o->wrist_img, NULL}, LIBERO_STATE, 8, o->prompt, seed};
+    return (ref_sample){{&o->base_img, &o->wrist_img, NULL}, LIBERO_STATE, 8, o->prompt, seed, 0};
 }
 
 /* Worst |a - b| / (|b| + 1e-3) over two results. */
@@ -265,11 +271,15 @@ static int reference_batch(const parts *p, const ref_sample *s, int count, pi0_n
             masks[b * 3 + c] = s[b].images[c] != NULL;
             if (s[b].images[c] && pi0_image_preprocess(s[b].images[c], (int)S, bufs[c] + b * S * S * 3, &err)) ok = 0;
         }
-        double raw[64];
+        double raw[64], normalized[64];
         for (int i = 0; i < s[b].n && i < 64; i++) raw[i] = s[b].state[i];
-        if (s[b].n > 64 || pi0_normalize(pi0_norm_stats_find(&p->stats, "state"), mode, raw, state + b * A, s[b].n, &err))
+        if (s[b].n > 64 || pi0_normalize(pi0_norm_stats_find(&p->stats, "state"), mode, raw, normalized, s[b].n, &err))
             ok = 0;
-        if (pi0_tokenize_prompt(p->tok, s[b].prompt, (int)L, ids + b * L, id_mask + b * L, NULL, &err)) ok = 0;
+        for (int i = 0; ok && i < s[b].n; i++) state[b * A + i] = (float)normalized[i];
+        if (s[b].discrete_state ? pi0_tokenize_prompt_with_state(p->tok, s[b].prompt, normalized, s[b].n, (int)L,
+                                                                 ids + b * L, id_mask + b * L, NULL, &err)
+                                : pi0_tokenize_prompt(p->tok, s[b].prompt, (int)L, ids + b * L, id_mask + b * L, NULL, &err))
+            ok = 0;
         uint64_t stream = rng_mix64(s[b].seed ^ 0x6e6f697365ull);
         for (size_t i = 0; i < H * A; i++) noise[b * H * A + i] = rng_normal(stream, i);
     }
@@ -297,7 +307,7 @@ static int reference_batch(const parts *p, const ref_sample *s, int count, pi0_n
 
 static int reference(const parts *p, const pi0_image *const images[3], const float *state, int n, const char *prompt,
                      uint64_t seed, pi0_norm_mode mode, int R, double *out) {
-    ref_sample s = {{images[0], images[1], images[2]}, state, n, prompt, seed};
+    ref_sample s = {{images[0], images[1], images[2]}, state, n, prompt, seed, 0};
     return reference_batch(p, &s, 1, mode, R, out);
 }
 
@@ -427,9 +437,9 @@ TEST(adapter_generic_invalid) {
 
 TEST(libero_matches_reference) {
     parts ref;
-    REQUIRE(parts_open(&ref, 2000) == 0);
+    REQUIRE(parts_open(&ref, PI0_MODEL_PI0, 2000) == 0);
     pi0_error err = {0};
-    pi0_policy *pol = make_policy("libero", 2000, PI0_NORM_ZSCORE, &err);
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
     REQUIRE(pol, "%s", err.message);
     libero_obs o;
     libero_make(&o, 1, "  pick_up the\nblack bowl ");
@@ -466,9 +476,9 @@ TEST(libero_matches_reference) {
 
 TEST(droid_matches_reference) {
     parts ref;
-    REQUIRE(parts_open(&ref, 2000) == 0);
+    REQUIRE(parts_open(&ref, PI0_MODEL_PI0, 2000) == 0);
     pi0_error err = {0};
-    pi0_policy *pol = make_policy("droid", 2000, PI0_NORM_ZSCORE, &err);
+    pi0_policy *pol = make_policy("droid", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
     REQUIRE(pol, "%s", err.message);
     /* exterior: float32 CHW 3x100x80; wrist: uint8 HWC 180x320 */
     uint8_t *ext_u8 = make_image(100, 80, 5), *wrist = make_image(180, 320, 6);
@@ -525,9 +535,9 @@ TEST(droid_matches_reference) {
 
 TEST(quantile_mode_matches_reference) {
     parts ref;
-    REQUIRE(parts_open(&ref, 2000) == 0);
+    REQUIRE(parts_open(&ref, PI0_MODEL_PI0, 2000) == 0);
     pi0_error err = {0};
-    pi0_policy *pol = make_policy("libero", 2000, PI0_NORM_QUANTILE, &err);
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_QUANTILE, &err);
     REQUIRE(pol, "%s", err.message);
     libero_obs o;
     libero_make(&o, 2, "open the drawer");
@@ -549,7 +559,7 @@ TEST(quantile_mode_matches_reference) {
  * are (v + 0.5) / 255 so that numpy's (255 * x).astype(uint8) truncates back to v. */
 TEST(layouts_and_dtypes_are_equivalent) {
     pi0_error err = {0};
-    pi0_policy *pol = make_policy("libero", 2000, PI0_NORM_ZSCORE, &err);
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
     REQUIRE(pol, "%s", err.message);
     libero_obs o;
     libero_make(&o, 3, "stack the blocks");
@@ -627,9 +637,9 @@ TEST(layouts_and_dtypes_are_equivalent) {
  */
 TEST(batch_equals_alone) {
     parts ref;
-    REQUIRE(parts_open(&ref, 2000) == 0);
+    REQUIRE(parts_open(&ref, PI0_MODEL_PI0, 2000) == 0);
     pi0_error err = {0};
-    pi0_policy *pol = make_policy("libero", 2000, PI0_NORM_ZSCORE, &err);
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
     REQUIRE(pol, "%s", err.message);
     enum { N = 4 };
     libero_obs o[N];
@@ -682,7 +692,7 @@ TEST(batch_equals_alone) {
 /* A bad observation fails alone, with an error naming the key and the problem; the others still run. */
 TEST(bad_observations_fail_alone) {
     pi0_error err = {0};
-    pi0_policy *pol = make_policy("libero", 2000, PI0_NORM_ZSCORE, &err);
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
     REQUIRE(pol, "%s", err.message);
     static uint8_t img4[10 * 10 * 4], tiny_img[2 * 2 * 3], flat[100];
     static int32_t img_i32[10 * 10 * 3];
@@ -786,7 +796,7 @@ TEST(bad_observations_fail_alone) {
 /* Token ids beyond the model's vocabulary fail that observation, naming the id and the vocabulary. */
 TEST(token_ids_outside_vocabulary) {
     pi0_error err = {0};
-    pi0_policy *pol = make_policy("libero", 512, PI0_NORM_ZSCORE, &err); /* the tokenizer has 2000 pieces */
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 512, PI0_NORM_ZSCORE, &err); /* the tokenizer has 2000 pieces */
     REQUIRE(pol, "%s", err.message);
     libero_obs o;
     libero_make(&o, 30, "zebra quantum xylophone");
@@ -800,12 +810,12 @@ TEST(token_ids_outside_vocabulary) {
 /* Generic adapters: absent cameras, several state keys, default prompts, prompts not read at all. */
 TEST(generic_adapter_runs) {
     parts ref;
-    REQUIRE(parts_open(&ref, 2000) == 0);
+    REQUIRE(parts_open(&ref, PI0_MODEL_PI0, 2000) == 0);
     const char *path = test_path("arm.json");
     write_text(path, "{\"cameras\": [null, \"cam/wrist\", \"cam/top\"], \"state\": [\"arm\", \"hand\"],\n"
                      " \"prompt\": \"task\", \"default_prompt\": \"wipe the table\", \"action_dims\": 5}");
     pi0_error err = {0};
-    pi0_policy *pol = make_policy(path, 2000, PI0_NORM_ZSCORE, &err);
+    pi0_policy *pol = make_policy(path, PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
     REQUIRE(pol, "%s", err.message);
     uint8_t *top = make_image(30, 40, 40), *wrist = make_image(224, 100, 41);
     static const float arm[6] = {0.1f, 0.2f, 0.7f, 3.5f, 0.0f, 0.05f};
@@ -834,7 +844,7 @@ TEST(generic_adapter_runs) {
     /* "prompt": null: the observation's "prompt" is ignored */
     write_text(path, "{\"cameras\": [null, \"cam/wrist\", \"cam/top\"], \"state\": [\"arm\", \"hand\"],\n"
                      " \"prompt\": null, \"default_prompt\": \"wipe the table\", \"action_dims\": 5}");
-    REQUIRE((pol = make_policy(path, 2000, PI0_NORM_ZSCORE, &err)), "%s", err.message);
+    REQUIRE((pol = make_policy(path, PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err)), "%s", err.message);
     obs_drop(&b, "task");
     obs_string(&b, "prompt", "something else entirely");
     REQUIRE(infer1(pol, &b.obs, 4, &r) == PI0_OK);
@@ -844,16 +854,147 @@ TEST(generic_adapter_runs) {
 
     /* an adapter asking for more action dims than the model has fails at creation */
     write_text(path, "{\"cameras\": [\"c\"], \"state\": [\"s\"], \"action_dims\": 33}");
-    CHECK(make_policy(path, 2000, PI0_NORM_ZSCORE, &err) == NULL && strstr(err.message, "33") &&
+    CHECK(make_policy(path, PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err) == NULL && strstr(err.message, "33") &&
               strstr(err.message, "32"), "%s", err.message);
     free(top), free(wrist);
     parts_close(&ref);
 }
 
+/* ---- Pi0.5 --------------------------------------------------------------------------------------------- */
+
+/* A DROID observation with float32-exact values (so that the reference's float32 view of the state is exact). */
+typedef struct {
+    obs_builder b;
+    uint8_t *ext, *wrist;
+    pi0_image ext_img, wrist_img;
+} droid_obs;
+
+static const float DROID_STATE[8] = {0.0f, -0.0625f, 0.8125f, 3.25f, -0.125f, 0.375f, 0.015625f, -0.0078125f};
+
+static void droid_make(droid_obs *o, uint32_t seed, const char *prompt) {
+    static double joints[7], gripper;
+    for (int i = 0; i < 7; i++) joints[i] = DROID_STATE[i];
+    gripper = DROID_STATE[7];
+    obs_init(&o->b);
+    o->ext = make_image(180, 320, seed), o->wrist = make_image(224, 224, seed + 1);
+    obs_array(&o->b, "observation/exterior_image_1_left", PI0_DTYPE_U8, 3, (int64_t[]){180, 320, 3}, o->ext);
+    obs_array(&o->b, "observation/wrist_image_left", PI0_DTYPE_U8, 3, (int64_t[]){224, 224, 3}, o->wrist);
+    obs_array(&o->b, "observation/joint_position", PI0_DTYPE_F64, 1, (int64_t[]){7}, joints);
+    obs_array(&o->b, "observation/gripper_position", PI0_DTYPE_F64, 0, NULL, &gripper);
+    obs_string(&o->b, "prompt", prompt);
+    o->ext_img = (pi0_image){o->ext, PI0_PIXEL_U8, PI0_LAYOUT_HWC, 180, 320, 3};
+    o->wrist_img = (pi0_image){o->wrist, PI0_PIXEL_U8, PI0_LAYOUT_HWC, 224, 224, 3};
+}
+
+/* openpi's pi05_droid: quantile normalization by default, the robot's 8 normalized state values binned into
+ * the prompt, 8 action dims; bit for bit the reference assembled from the pieces. */
+TEST(pi05_droid_discrete_state_matches_reference) {
+    parts ref;
+    REQUIRE(parts_open(&ref, PI0_MODEL_PI05, 2000) == 0);
+    pi0_error err = {0};
+    pi0_policy *pol = make_policy("droid", PI0_MODEL_PI05, 2000, PI0_NORM_DEFAULT, &err);
+    REQUIRE(pol, "%s", err.message);
+    CHECK(pi0_policy_norm_mode(pol) == PI0_NORM_QUANTILE && pi0_policy_discrete_state(pol) == 1);
+    droid_obs o;
+    droid_make(&o, 9, "put the marker in the cup");
+    ref_sample s = {{&o.ext_img, &o.wrist_img, NULL}, DROID_STATE, 8, "put the marker in the cup", 5, 1};
+    double want[10 * 8];
+    REQUIRE(reference_batch(&ref, &s, 1, PI0_NORM_QUANTILE, 8, want) == 0);
+    pi0_policy_result r;
+    REQUIRE(infer1(pol, &o.b.obs, 5, &r) == PI0_OK);
+    CHECK(result_matches(&r, want, 10, 8));
+    pi0_policy_result_free(&r);
+    /* without the state in the prompt the answer differs: the test would notice a policy that drops it */
+    s.discrete_state = 0;
+    REQUIRE(reference_batch(&ref, &s, 1, PI0_NORM_QUANTILE, 8, want) == 0);
+    REQUIRE(infer1(pol, &o.b.obs, 5, &r) == PI0_OK);
+    CHECK(!result_matches(&r, want, 10, 8), "the discrete state changed nothing");
+    pi0_policy_result_free(&r);
+    free(o.ext), free(o.wrist);
+    pi0_policy_free(pol);
+    parts_close(&ref);
+}
+
+/* openpi's pi05_libero: no discrete state (the Pi0 prompt format), quantile normalization. */
+TEST(pi05_libero_prompt_without_state) {
+    parts ref;
+    REQUIRE(parts_open(&ref, PI0_MODEL_PI05, 2000) == 0);
+    pi0_error err = {0};
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI05, 2000, PI0_NORM_DEFAULT, &err);
+    REQUIRE(pol, "%s", err.message);
+    CHECK(pi0_policy_norm_mode(pol) == PI0_NORM_QUANTILE && pi0_policy_discrete_state(pol) == 0);
+    libero_obs o;
+    libero_make(&o, 4, "open the top drawer");
+    ref_sample s = {{&o.base_img, &o.wrist_img, NULL}, LIBERO_STATE, 8, "open the top drawer", 8, 0};
+    double want[10 * 7];
+    REQUIRE(reference_batch(&ref, &s, 1, PI0_NORM_QUANTILE, 7, want) == 0);
+    pi0_policy_result r;
+    REQUIRE(infer1(pol, &o.b.obs, 8, &r) == PI0_OK);
+    CHECK(result_matches(&r, want, 10, 7));
+    pi0_policy_result_free(&r);
+    libero_free(&o);
+    pi0_policy_free(pol);
+    parts_close(&ref);
+}
+
+/* A generic adapter's discrete_state switch; asking it of a Pi0 checkpoint is refused. */
+TEST(pi05_generic_discrete_state_switch) {
+    const char *path = test_path("pi05_arm.json");
+    write_text(path, "{\"cameras\": [\"observation/image\", \"observation/wrist_image\", null], "
+                     "\"state\": [\"observation/state\"], \"action_dims\": 7, \"discrete_state\": true}");
+    pi0_error err = {0};
+    pi0_policy *pol = make_policy(path, PI0_MODEL_PI05, 2000, PI0_NORM_DEFAULT, &err);
+    REQUIRE(pol, "%s", err.message);
+    CHECK(pi0_policy_discrete_state(pol) == 1);
+    pi0_policy_free(pol);
+    CHECK(make_policy(path, PI0_MODEL_PI0, 2000, PI0_NORM_DEFAULT, &err) == NULL &&
+              strstr(err.message, "discrete state") && strstr(err.message, "Pi0"), "%s", err.message);
+    write_text(path, "{\"cameras\": [\"c\"], \"state\": [\"s\"], \"action_dims\": 7, \"discrete_state\": 1}");
+    pi0_adapter *a = NULL;
+    CHECK(pi0_adapter_open(path, &a, &err) == PI0_ERR_FORMAT && strstr(err.message, "discrete_state"), "%s", err.message);
+    write_text(path, "{\"cameras\": [\"c\"], \"state\": [\"s\"], \"action_dims\": 7, \"horizon\": 0}");
+    CHECK(pi0_adapter_open(path, &a, &err) == PI0_ERR_FORMAT && strstr(err.message, "horizon"), "%s", err.message);
+}
+
+/* pi0_policy_open on Pi0.5 checkpoints: norm stats without quantiles are refused at open, naming what is
+ * missing; the horizon falls back to the adapter's (pi05_droid: 15) when config.json gives none. */
+TEST(pi05_open_checks_quantiles_and_horizon) {
+    pi0_model *m = tiny_model(PI0_MODEL_PI05, 2000);
+    REQUIRE(m);
+    const char *dir = test_path("pi05_ckpt");
+    pi0_error err = {0};
+    REQUIRE(pi0_model_save(m, dir, 0, &err) == PI0_OK, "%s", err.message);
+    pi0_model_free(m);
+    char path[600];
+    snprintf(path, sizeof path, "%s/config.json", dir); /* no action_horizon */
+    write_text(path, "{\"action_dim\": 32, \"max_token_len\": 64, \"dims\": {\"vision\": {\"num_heads\": 4}, "
+                     "\"llm\": {\"head_dim\": 32}, \"expert\": {\"head_dim\": 32}}}");
+    const char *no_quantiles = test_path("zscore_stats.json");
+    write_text(no_quantiles, "{\"norm_stats\": {\"state\": {\"mean\": [0,0,0,0,0,0,0,0], \"std\": [1,1,1,1,1,1,1,1]}, "
+                             "\"actions\": {\"mean\": [0,0,0,0,0,0,0,0], \"std\": [1,1,1,1,1,1,1,1]}}}");
+    pi0_policy_options opts = {.checkpoint = dir, .adapter = "droid", .tokenizer = tokenizer_path(),
+                               .norm_stats = no_quantiles, .model = {.backend = PI0_BACKEND_CPU}};
+    pi0_policy *pol = NULL;
+    CHECK(pi0_policy_open(&opts, &pol, &err) == PI0_ERR_FORMAT && strstr(err.message, "q01") &&
+              strstr(err.message, "Pi0.5") && strstr(err.message, "zscore_stats.json"), "%s", err.message);
+    opts.norm_mode = PI0_NORM_ZSCORE; /* asked for explicitly, z-score works */
+    REQUIRE(pi0_policy_open(&opts, &pol, &err) == PI0_OK, "%s", err.message);
+    CHECK(pi0_policy_horizon(pol) == 15 && pi0_policy_action_dims(pol) == 8, "horizon %d", pi0_policy_horizon(pol));
+    pi0_policy_free(pol);
+    opts.adapter = "libero";
+    REQUIRE(pi0_policy_open(&opts, &pol, &err) == PI0_OK, "%s", err.message);
+    CHECK(pi0_policy_horizon(pol) == 10, "libero horizon %d", pi0_policy_horizon(pol));
+    pi0_policy_free(pol);
+    opts.horizon = 4; /* the caller's wins */
+    REQUIRE(pi0_policy_open(&opts, &pol, &err) == PI0_OK, "%s", err.message);
+    CHECK(pi0_policy_horizon(pol) == 4);
+    pi0_policy_free(pol);
+}
+
 TEST(create_rejects_bad_parts) {
     pi0_error err = {0};
     parts q;
-    REQUIRE(parts_open(&q, 2000) == 0);
+    REQUIRE(parts_open(&q, PI0_MODEL_PI0, 2000) == 0);
     pi0_adapter *a = NULL;
     REQUIRE(pi0_adapter_open("libero", &a, &err) == PI0_OK);
     pi0_policy *pol = (pi0_policy *)1;
@@ -866,7 +1007,7 @@ TEST(create_rejects_bad_parts) {
               strstr(err.message, "\"actions\""), "%s", err.message);
     CHECK(q.stats.entries == NULL, "the stats were not taken");
     /* quantile mode without q01/q99 */
-    REQUIRE(parts_open(&q, 2000) == 0);
+    REQUIRE(parts_open(&q, PI0_MODEL_PI0, 2000) == 0);
     REQUIRE(pi0_adapter_open("libero", &a, &err) == PI0_OK);
     write_text(path, "{\"norm_stats\": {\"state\": {\"mean\": [0], \"std\": [1]}, \"actions\": {\"mean\": [0], \"std\": [1]}}}");
     pi0_norm_stats_free(&q.stats);
@@ -875,7 +1016,7 @@ TEST(create_rejects_bad_parts) {
     CHECK(pi0_policy_create(q.model, a, q.tok, &q.stats, &opts, &pol, &err) == PI0_ERR_FORMAT &&
               strstr(err.message, "q01"), "%s", err.message);
     /* NULL parts */
-    REQUIRE(parts_open(&q, 2000) == 0);
+    REQUIRE(parts_open(&q, PI0_MODEL_PI0, 2000) == 0);
     CHECK(pi0_policy_create(q.model, NULL, q.tok, &q.stats, NULL, &pol, &err) == PI0_ERR_INVALID_ARGUMENT);
 }
 
@@ -896,7 +1037,7 @@ TEST(open_finds_its_files) {
     snprintf(ckpt, sizeof ckpt, "%s", test_path("ckpt"));
     mkdirs(home);
     setenv("HOME", home, 1);
-    pi0_model *m = tiny_model(2000);
+    pi0_model *m = tiny_model(PI0_MODEL_PI0, 2000);
     pi0_error err = {0};
     REQUIRE(m && pi0_model_save(m, ckpt, 0, &err) == PI0_OK, "%s", err.message);
     pi0_model_free(m);
@@ -989,6 +1130,10 @@ int main(int argc, char **argv) {
     RUN(bad_observations_fail_alone);
     RUN(token_ids_outside_vocabulary);
     RUN(generic_adapter_runs);
+    RUN(pi05_droid_discrete_state_matches_reference);
+    RUN(pi05_libero_prompt_without_state);
+    RUN(pi05_generic_discrete_state_switch);
+    RUN(pi05_open_checks_quantiles_and_horizon);
     RUN(create_rejects_bad_parts);
     RUN(open_finds_its_files);
     return check_finish();

@@ -42,7 +42,7 @@ pi0_status checkpoint_open(const char *dir, checkpoint *ck, pi0_error *err) {
     snprintf(config, sizeof config, "%s/config.json", dir);
     pi0_status st = st_open(path, &ck->file, err);
     if (!st) st = find_prefix(&ck->file, ck->prefix, sizeof ck->prefix, path, err);
-    if (!st) st = config_derive_dims(&ck->file, ck->prefix, config, &ck->dims, err);
+    if (!st) st = config_derive_dims(&ck->file, ck->prefix, config, &ck->dims, &ck->horizon_given, err);
     if (st) checkpoint_close(ck);
     return st;
 }

@@ -17,6 +17,7 @@ typedef struct {
     st_file file;
     char prefix[128];
     pi0_dims dims;
+    int horizon_given; /* config.json gave action_horizon (else dims holds the default) */
 } checkpoint;
 
 /* Maps dir/model.safetensors, finds the name prefix and derives dims. */

@@ -218,10 +218,9 @@ static pi0_status apply_config(json_t *cfg, const char *path, pi0_dims *dims, in
 }
 
 pi0_status config_derive_dims(const st_file *f, const char *prefix, const char *config_path, pi0_dims *dims,
-                              pi0_error *err) {
+                              int *horizon_given, pi0_error *err) {
     memset(dims, 0, sizeof *dims);
     dims->kind = config_model_kind(f, prefix);
-    dims->action_horizon = 50;
     dims->max_token_len = dims->kind == PI0_MODEL_PI05 ? 200 : 48; /* openpi's Pi0Config defaults */
     pi0_status st = vision_dims(f, prefix, dims, err);
     if (st) return st;
@@ -240,6 +239,8 @@ pi0_status config_derive_dims(const st_file *f, const char *prefix, const char *
     if (access(config_path, F_OK) == 0 && !(cfg = load_config(config_path, err))) return err ? err->status : PI0_ERR_FORMAT;
     st = apply_config(cfg, config_path, dims, llm_q, llm_kv, exp_q, exp_kv, err);
     json_decref(cfg);
+    *horizon_given = dims->action_horizon != 0;
+    if (!dims->action_horizon) dims->action_horizon = 50; /* openpi's Pi0Config default */
     return st ? st : dims_validate(dims, err);
 }
 

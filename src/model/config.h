@@ -16,9 +16,10 @@
 pi0_model_kind config_model_kind(const st_file *file, const char *prefix);
 const char *config_model_kind_reason(pi0_model_kind kind);
 
-/* `config_path` may name a missing file: defaults (H = 50, 48 prompt tokens) then apply. */
+/* `config_path` may name a missing file: defaults (H = 50; 48 prompt tokens for Pi0, 200 for Pi0.5) then
+ * apply. *horizon_given says whether config.json gave action_horizon. */
 pi0_status config_derive_dims(const st_file *file, const char *prefix, const char *config_path, pi0_dims *dims,
-                              pi0_error *err);
+                              int *horizon_given, pi0_error *err);
 
 /* Checks that dims describe a model the engine can run. */
 pi0_status dims_validate(const pi0_dims *dims, pi0_error *err);

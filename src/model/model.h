@@ -26,6 +26,7 @@ typedef struct pi0_backend_ops {
 
 struct pi0_model {
     pi0_dims dims;
+    int horizon_given;  /* dims.action_horizon came from config.json (or the caller), not a default */
     pi0_weights weights;
     weight_spec *specs;
     int num_specs;

@@ -1,6 +1,6 @@
 /*
- * adapter.c - the built-in robot adapters (openpi's libero_policy.py and droid_policy.py for Pi0) and
- * generic ones read from a JSON file (format in adapter.h).
+ * adapter.c - the built-in robot adapters (openpi's libero_policy.py and droid_policy.py, with what its
+ * Pi0 and Pi0.5 configs set for these robots) and generic ones read from a JSON file (format in adapter.h).
  */
 #include "policy/adapter.h"
 
@@ -33,7 +33,7 @@ static char *dup_or_null(const char *s, int *failed) {
     return d;
 }
 
-/* A built-in adapter: cameras base, left wrist, then an absent right wrist (Pi0 masks it). */
+/* A built-in adapter: cameras base, left wrist, then an absent right wrist (the model masks it). */
 static pi0_status builtin(const char *name, const char *base, const char *wrist, const char *const *state_keys,
                           int num_state_keys, int action_dims, pi0_adapter **out, pi0_error *err) {
     pi0_adapter *a = calloc(1, sizeof *a);
@@ -48,6 +48,7 @@ static pi0_status builtin(const char *name, const char *base, const char *wrist,
     for (int s = 0; s < num_state_keys; s++) a->state_keys[s] = dup_or_null(state_keys[s], &failed);
     a->prompt_key = dup_or_null("prompt", &failed);
     a->action_dims = action_dims;
+    a->discrete_state = -1;
     if (failed) {
         pi0_adapter_free(a);
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for adapter %s", name);
@@ -109,7 +110,8 @@ static char *base_name(const char *path) {
 }
 
 static pi0_status parse_generic(const char *path, json_t *root, pi0_adapter *a, pi0_error *err) {
-    static const char *known[] = {"name", "cameras", "state", "prompt", "default_prompt", "action_dims"};
+    static const char *known[] = {"name", "cameras", "state", "prompt", "default_prompt", "action_dims",
+                                  "discrete_state", "horizon"};
     if (!json_is_object(root))
         return pi0_fail(err, PI0_ERR_FORMAT, "%s: the adapter is %s, expected a JSON object", path, json_kind(root));
     const char *key;
@@ -119,7 +121,8 @@ static pi0_status parse_generic(const char *path, json_t *root, pi0_adapter *a, 
         for (size_t k = 0; k < sizeof known / sizeof *known; k++) ok |= !strcmp(key, known[k]);
         if (!ok)
             return pi0_fail(err, PI0_ERR_FORMAT,
-                            "%s: unknown key \"%s\" (expected name, cameras, state, prompt, default_prompt, action_dims)",
+                            "%s: unknown key \"%s\" (expected name, cameras, state, prompt, default_prompt, action_dims, "
+                            "discrete_state, horizon)",
                             path, key);
     }
     pi0_status st;
@@ -144,6 +147,13 @@ static pi0_status parse_generic(const char *path, json_t *root, pi0_adapter *a, 
     if (!json_is_integer(dims) || json_integer_value(dims) < 1 || json_integer_value(dims) > MAX_ACTION_DIMS)
         return pi0_fail(err, PI0_ERR_FORMAT, "%s: \"action_dims\" must be an integer in 1 .. %d", path, MAX_ACTION_DIMS);
     a->action_dims = (int)json_integer_value(dims);
+    json_t *discrete = json_object_get(root, "discrete_state"), *horizon = json_object_get(root, "horizon");
+    if (discrete && !json_is_boolean(discrete))
+        return pi0_fail(err, PI0_ERR_FORMAT, "%s: \"discrete_state\" is %s, expected true or false", path, json_kind(discrete));
+    a->discrete_state = discrete ? json_is_true(discrete) : -1;
+    if (horizon && (!json_is_integer(horizon) || json_integer_value(horizon) < 1 || json_integer_value(horizon) > PI0_MAX_HORIZON))
+        return pi0_fail(err, PI0_ERR_FORMAT, "%s: \"horizon\" must be an integer in 1 .. %d", path, PI0_MAX_HORIZON);
+    if (horizon) a->horizon[PI0_MODEL_PI0] = a->horizon[PI0_MODEL_PI05] = (int)json_integer_value(horizon);
     return PI0_OK;
 }
 
@@ -152,12 +162,16 @@ pi0_status pi0_adapter_open(const char *name_or_path, pi0_adapter **out, pi0_err
     *out = NULL;
     if (!strcmp(name_or_path, "libero")) {
         static const char *const state[] = {"observation/state"};
-        return builtin("libero", "observation/image", "observation/wrist_image", state, 1, 7, out, err);
+        pi0_status st = builtin("libero", "observation/image", "observation/wrist_image", state, 1, 7, out, err);
+        if (!st) (*out)->discrete_state = 0, (*out)->horizon[PI0_MODEL_PI05] = 10; /* openpi's pi05_libero */
+        return st;
     }
     if (!strcmp(name_or_path, "droid")) {
         static const char *const state[] = {"observation/joint_position", "observation/gripper_position"};
-        return builtin("droid", "observation/exterior_image_1_left", "observation/wrist_image_left", state, 2, 8, out,
-                       err);
+        pi0_status st = builtin("droid", "observation/exterior_image_1_left", "observation/wrist_image_left", state, 2, 8,
+                                out, err);
+        if (!st) (*out)->horizon[PI0_MODEL_PI0] = 10, (*out)->horizon[PI0_MODEL_PI05] = 15; /* pi0_droid, pi05_droid */
+        return st;
     }
     const char *path = name_or_path;
     FILE *f = fopen(path, "rb");

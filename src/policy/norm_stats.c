@@ -142,7 +142,7 @@ static pi0_status check_args(const char *what, const pi0_norm_entry *e, pi0_norm
     return PI0_OK;
 }
 
-pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, const double *x, float *out, int n,
+pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, const double *x, double *out, int n,
                          pi0_error *err) {
     pi0_status st = check_args("normalize", e, mode, x, out, n, err);
     if (st != PI0_OK) return st;
@@ -151,8 +151,8 @@ pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, const doub
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "normalize: norm stats '%s' have %d values, the vector has %d",
                         e->key, e->dim, n);
     for (int i = 0; i < n; i++) {
-        if (mode == PI0_NORM_ZSCORE) out[i] = (float)((x[i] - e->mean[i]) / (e->std[i] + 1e-6));
-        else out[i] = (float)((x[i] - e->q01[i]) / (e->q99[i] - e->q01[i] + 1e-6) * 2.0 - 1.0);
+        if (mode == PI0_NORM_ZSCORE) out[i] = (x[i] - e->mean[i]) / (e->std[i] + 1e-6);
+        else out[i] = (x[i] - e->q01[i]) / (e->q99[i] - e->q01[i] + 1e-6) * 2.0 - 1.0;
     }
     return PI0_OK;
 }

@@ -32,12 +32,13 @@ const pi0_norm_entry *pi0_norm_stats_find(const pi0_norm_stats *s, const char *k
 
 
 /*
- * transforms.Normalize on x[0..n) into out (float32, what the model takes), with numpy's promotions: the
- * robot's values arrive as float64 (any dtype converts exactly) against float64 stats. z-score
+ * transforms.Normalize on x[0..n) into out, with numpy's promotions: the robot's values arrive as float64 (any
+ * dtype converts exactly) against float64 stats, and the result stays float64 (Pi0.5 bins these values
+ * into its prompt; the model takes them rounded to float32); out may be x. z-score
  * (x - mean) / (std + 1e-6) or quantile (x - q01) / (q99 - q01 + 1e-6) * 2 - 1. Stats longer than n: the
  * first n are used. Shorter stats, or quantile mode without q01/q99, are an error.
  */
-pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, const double *x, float *out, int n,
+pi0_status pi0_normalize(const pi0_norm_entry *e, pi0_norm_mode mode, const double *x, double *out, int n,
                          pi0_error *err);
 
 /*

@@ -20,6 +20,7 @@
 
 #include "model/checkpoint.h"
 #include "model/flow.h"
+#include "model/model.h"
 #include "policy/image.h"
 #include "util/clock.h"
 #include "util/error.h"
@@ -40,6 +41,7 @@ struct pi0_policy {
     pi0_norm_stats stats;
     const pi0_norm_entry *state_stats, *action_stats;
     pi0_norm_mode mode;
+    int discrete_state; /* Pi0.5: the normalized state is written into the prompt */
     int horizon, num_steps;
     /* the batch buffers, kept between calls; room for `capacity` observations */
     int capacity;
@@ -47,6 +49,7 @@ struct pi0_policy {
     uint8_t *image_masks, *prompt_mask;
     int32_t *prompt_ids;
     float *state, *noise, *actions;
+    double *state_f64; /* one observation's normalized state in float64, as the discrete state bins it */
     int *source;   /* batch slot -> index of the observation */
     camera_frame *frames; /* (capacity, cameras) */
 };
@@ -59,6 +62,7 @@ static void free_buffers(pi0_policy *p) {
     free(p->state), free(p->noise), free(p->actions), free(p->source), free(p->frames);
     p->image_masks = p->prompt_mask = NULL, p->prompt_ids = NULL;
     p->state = p->noise = p->actions = NULL, p->source = NULL, p->frames = NULL;
+    free(p->state_f64), p->state_f64 = NULL;
     p->capacity = 0;
 }
 
@@ -78,6 +82,15 @@ int pi0_policy_horizon(const pi0_policy *p) { return p ? p->horizon : 0; }
 int pi0_policy_action_dims(const pi0_policy *p) { return p ? p->adapter->action_dims : 0; }
 const char *pi0_policy_adapter_name(const pi0_policy *p) { return p && p->adapter->name ? p->adapter->name : "?"; }
 pi0_norm_mode pi0_policy_norm_mode(const pi0_policy *p) { return p ? p->mode : PI0_NORM_DEFAULT; }
+int pi0_policy_discrete_state(const pi0_policy *p) { return p ? p->discrete_state : 0; }
+
+/* The horizon: the caller's, else config.json's, else what openpi's config for this robot uses, else the
+ * default (50). */
+static int resolve_horizon(const pi0_policy_options *opts, const pi0_model *m, const pi0_adapter *a) {
+    if (opts && opts->horizon) return opts->horizon;
+    if (m->horizon_given) return m->dims.action_horizon;
+    return a->horizon[m->dims.kind] ? a->horizon[m->dims.kind] : m->dims.action_horizon;
+}
 
 /* The normalization a model asks for when the caller leaves it to the model: openpi's configs use
  * quantiles for every model but Pi0. */
@@ -119,7 +132,13 @@ pi0_status pi0_policy_create(pi0_model *model, pi0_adapter *adapter, pi0_tokeniz
     }
     const pi0_dims *d = pi0_model_dims(model);
     p->mode = resolve_mode(opts ? opts->norm_mode : PI0_NORM_DEFAULT, d->kind);
-    p->horizon = opts && opts->horizon ? opts->horizon : d->action_horizon;
+    p->horizon = resolve_horizon(opts, model, adapter);
+    p->discrete_state = adapter->discrete_state < 0 ? d->kind == PI0_MODEL_PI05 : adapter->discrete_state;
+    if (p->discrete_state && d->kind != PI0_MODEL_PI05) {
+        st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "adapter %s asks for the discrete state in the prompt, which only "
+                      "Pi0.5 checkpoints read; this one is Pi0", adapter->name ? adapter->name : "(unnamed)");
+        goto fail;
+    }
     p->num_steps = opts && opts->num_steps ? opts->num_steps : 10;
     if (p->mode != PI0_NORM_ZSCORE && p->mode != PI0_NORM_QUANTILE) {
         st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy: unknown normalization mode %d", (int)p->mode);
@@ -383,8 +402,9 @@ static double element(const pi0_field *f, int64_t k) {
     return NAN;
 }
 
-/* The adapter's state keys concatenated, normalized (openpi's Normalize, in float64) and zero-padded to A. */
-static pi0_status prepare_state(const pi0_policy *p, const pi0_observation *obs, float *out, pi0_error *err) {
+/* The adapter's state keys concatenated and normalized (openpi's Normalize, in float64) into p->state_f64
+ * (*n values); then rounded to float32 and zero-padded to A for the model. */
+static pi0_status prepare_state(pi0_policy *p, const pi0_observation *obs, float *out, int *n, pi0_error *err) {
     const pi0_adapter *a = p->adapter;
     int A = pi0_model_dims(p->model)->action_dim;
     const pi0_field *fields[PI0_ADAPTER_MAX_STATE_KEYS];
@@ -405,30 +425,29 @@ static pi0_status prepare_state(const pi0_policy *p, const pi0_observation *obs,
     if (total > e->dim)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the state (\"%s\"%s) has %lld values but norm stats \"state\" "
                         "have %d", a->state_keys[0], a->num_state_keys > 1 ? " ..." : "", (long long)total, e->dim);
-    double *values = malloc((size_t)(total ? total : 1) * sizeof(double));
-    if (!values) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for the state");
+    double *values = p->state_f64; /* normalized in place */
     int i = 0;
     for (int k = 0; k < a->num_state_keys; k++) {
         const pi0_field *f = fields[k];
         for (int64_t j = 0; j < pi0_field_numel(f); j++, i++) {
             values[i] = element(f, j); /* numpy: any dtype meets the float64 stats as float64 */
-            if (!isfinite(values[i])) {
-                double bad = values[i];
-                free(values);
+            if (!isfinite(values[i]))
                 return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\"[%lld] is %g: the state must be finite", f->key,
-                                (long long)j, bad);
-            }
+                                (long long)j, values[i]);
         }
     }
-    pi0_status st = pi0_normalize(e, p->mode, values, out, i, err);
-    free(values);
-    for (; i < A; i++) out[i] = 0.0f; /* PadStatesAndActions */
-    return st;
+    pi0_status st = pi0_normalize(e, p->mode, values, values, i, err);
+    if (st) return st;
+    for (int j = 0; j < i; j++) out[j] = (float)p->state_f64[j];
+    for (int j = i; j < A; j++) out[j] = 0.0f; /* PadStatesAndActions */
+    *n = i;
+    return PI0_OK;
 }
 
-/* The prompt (or the adapter's default), tokenized and checked against the model's vocabulary. */
-static pi0_status prepare_prompt(const pi0_policy *p, const pi0_observation *obs, int32_t *ids, uint8_t *mask,
-                                 pi0_error *err) {
+/* The prompt (or the adapter's default), tokenized (Pi0.5 with the discrete state: the robot's own n
+ * normalized state values written into it) and checked against the model's vocabulary. */
+static pi0_status prepare_prompt(const pi0_policy *p, const pi0_observation *obs, int n_state, int32_t *ids,
+                                 uint8_t *mask, pi0_error *err) {
     const pi0_adapter *a = p->adapter;
     const char *prompt = NULL;
     const pi0_field *f = a->prompt_key ? pi0_observation_find(obs, a->prompt_key) : NULL;
@@ -440,7 +459,9 @@ static pi0_status prepare_prompt(const pi0_policy *p, const pi0_observation *obs
                         "prompt)", a->prompt_key ? a->prompt_key : "prompt", a->name ? a->name : "(unnamed)");
     const pi0_dims *d = pi0_model_dims(p->model);
     int valid = 0;
-    pi0_status st = pi0_tokenize_prompt(p->tokenizer, prompt, d->max_token_len, ids, mask, &valid, err);
+    pi0_status st = p->discrete_state ? pi0_tokenize_prompt_with_state(p->tokenizer, prompt, p->state_f64, n_state,
+                                                                       d->max_token_len, ids, mask, &valid, err)
+                                      : pi0_tokenize_prompt(p->tokenizer, prompt, d->max_token_len, ids, mask, &valid, err);
     if (st) return st;
     for (int i = 0; i < valid; i++)
         if (ids[i] < 0 || ids[i] >= d->vocab_size)
@@ -471,8 +492,9 @@ static pi0_status prepare(pi0_policy *p, const pi0_observation *obs, int slot, p
         fr->field = f;
         p->image_masks[slot * C + c] = 1;
     }
-    pi0_status st = prepare_state(p, obs, p->state + slot * (size_t)d->action_dim, err);
-    if (!st) st = prepare_prompt(p, obs, p->prompt_ids + slot * L, p->prompt_mask + slot * L, err);
+    int n_state = 0;
+    pi0_status st = prepare_state(p, obs, p->state + slot * (size_t)d->action_dim, &n_state, err);
+    if (!st) st = prepare_prompt(p, obs, n_state, p->prompt_ids + slot * L, p->prompt_mask + slot * L, err);
     return st;
 }
 
@@ -510,9 +532,10 @@ static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
     p->noise = malloc(n * per_chunk * sizeof(float));
     p->actions = malloc(n * per_chunk * sizeof(float));
     p->source = malloc(n * sizeof(int));
+    p->state_f64 = malloc((size_t)d->action_dim * sizeof(double));
     p->frames = calloc(n * p->adapter->num_cameras + 1, sizeof(camera_frame));
     if (!ok || !p->image_masks || !p->prompt_ids || !p->prompt_mask || !p->state || !p->noise || !p->actions ||
-        !p->source || !p->frames) {
+        !p->source || !p->frames || !p->state_f64) {
         free_buffers(p);
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a batch of %d observations", count);
     }

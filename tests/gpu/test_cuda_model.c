@@ -1,9 +1,12 @@
 /*
- * test_cuda_model.c - the CUDA backend end to end: every fixture at the bf16 tolerance (1e-2 vs
- * openpi's fp32 actions), ragged batches against the CPU oracle, graph replay equal to the eager
- * run, repeated replays identical, several shapes alternating through the graph cache, and the
- * real-size model on random weights within 2e-2 of the CPU backend.
+ * test_cuda_model.c - the CUDA backend end to end, Pi0 and Pi0.5: every fixture at the bf16 tolerance
+ * (1e-2 vs openpi's fp32 actions), as a batch (cuBLASLt path) and sample by sample (the skinny path),
+ * ragged batches against the CPU oracle, graph replay equal to the eager run, repeated replays
+ * identical, several shapes alternating through the graph cache, and the real-size models on random
+ * weights within 2e-2 of the CPU backend.
  */
+#include <stdlib.h>
+
 #include "cuda/backend.h"
 #include "gpu_check.h"
 #include "io/safetensors.h"
@@ -107,6 +110,42 @@ static void fixture_case(const char *name) {
 
 TEST(fixture_pi0_tiny) { fixture_case("pi0_tiny"); }
 TEST(fixture_pi0_tiny_h50) { fixture_case("pi0_tiny_h50"); }
+TEST(fixture_pi05_tiny) { fixture_case("pi05_tiny"); }
+TEST(fixture_pi05_tiny_h50) { fixture_case("pi05_tiny_h50"); }
+
+/* Each sample of a fixture alone: 11 (Pi0) or 10 (Pi0.5) suffix rows take the skinny Linears, against
+ * openpi's fp32 actions of that sample and against the CPU backend. */
+static void fixture_by_sample(const char *name) {
+    fixture_io f;
+    REQUIRE(io_open(&f, name) == 0);
+    pi0_model *gpu = load(name, PI0_BACKEND_CUDA), *cpu = load(name, PI0_BACKEND_CPU);
+    REQUIRE(gpu && cpu);
+    int B = f.batch.batch, H = f.batch.horizon;
+    size_t per = (size_t)H * 32;
+    float *got = malloc(per * sizeof(float)), *ref = malloc(per * sizeof(float));
+    float *golden = f32_of(st_find(&f.io, "actions"));
+    for (int b = 0; b < B; b++) {
+        const float *images[3];
+        for (int c = 0; c < 3; c++) images[c] = f.images[c] + (size_t)b * 224 * 224 * 3;
+        pi0_batch one = f.batch;
+        one.batch = 1, one.num_steps = 10, one.images = images, one.image_masks = f.masks + b * 3;
+        one.prompt_ids = f.prompt_ids + b * f.batch.prompt_len, one.prompt_mask = f.prompt_mask + b * f.batch.prompt_len;
+        one.state = f.state + b * 32, one.noise = f.noise + (size_t)b * per;
+        pi0_error err = {0};
+        for (int run = 0; run < 2; run++) /* eager, then the graph */
+            REQUIRE(pi0_sample_actions(gpu, &one, got, NULL, &err) == PI0_OK, "%s", err.message);
+        REQUIRE(pi0_sample_actions(cpu, &one, ref, NULL, &err) == PI0_OK, "%s", err.message);
+        double e_gold = rel_error(got, golden + b * per, per), e_cpu = rel_error(got, ref, per);
+        fprintf(stderr, "  %s sample %d alone: vs golden %.3g, vs cpu %.3g\n", name, b, e_gold, e_cpu);
+        CHECK(e_gold <= TOL_BF16 && e_cpu <= TOL_BF16, "%s sample %d: %.3g %.3g", name, b, e_gold, e_cpu);
+    }
+    free(got), free(ref), free(golden);
+    pi0_model_free(gpu), pi0_model_free(cpu);
+    io_close(&f);
+}
+
+TEST(fixture_pi0_tiny_by_sample) { fixture_by_sample("pi0_tiny"); }
+TEST(fixture_pi05_tiny_by_sample) { fixture_by_sample("pi05_tiny"); }
 
 /* A B = 5 batch with every mask pattern and prompt length, against the CPU backend per sample. */
 TEST(ragged_batch_matches_cpu) {
@@ -180,9 +219,9 @@ TEST(graph_replay_equals_eager_and_repeats) {
     float *eager = malloc(n * 4), *replay = malloc(n * 4);
     pi0_error err = {0};
     f.batch.num_steps = 10;
-    pi0_cuda_set_graphs(m, 0);
+    setenv("PI0_CUDA_GRAPHS", "0", 1);
     REQUIRE(pi0_sample_actions(m, &f.batch, eager, NULL, &err) == PI0_OK, "%s", err.message);
-    pi0_cuda_set_graphs(m, 1);
+    unsetenv("PI0_CUDA_GRAPHS");
     for (int i = 0; i < 6; i++) {
         pi0_timings t = {0};
         REQUIRE(pi0_sample_actions(m, &f.batch, replay, &t, &err) == PI0_OK, "%s", err.message);
@@ -193,9 +232,9 @@ TEST(graph_replay_equals_eager_and_repeats) {
     }
     /* other inputs through the same graph: the graph reads the new inputs, not the captured ones */
     for (size_t i = 0; i < n; i++) f.noise[i] = -f.noise[i];
-    pi0_cuda_set_graphs(m, 0);
+    setenv("PI0_CUDA_GRAPHS", "0", 1);
     REQUIRE(pi0_sample_actions(m, &f.batch, eager, NULL, &err) == PI0_OK);
-    pi0_cuda_set_graphs(m, 1);
+    unsetenv("PI0_CUDA_GRAPHS");
     REQUIRE(pi0_sample_actions(m, &f.batch, replay, NULL, &err) == PI0_OK);
     CHECK(memcmp(eager, replay, n * 4) == 0, "replay with new inputs differs from eager");
     free(eager), free(replay);
@@ -245,8 +284,7 @@ TEST(bad_input_on_cuda) {
 }
 
 /* The real size: the same random weights on both backends, actions within 2e-2. */
-TEST(full_size_cuda_vs_cpu) {
-    pi0_dims dims = pi0_dims_pi0();
+static void full_size_cuda_vs_cpu(pi0_dims dims) {
     pi0_options gpu_opts = {.backend = PI0_BACKEND_CUDA}, cpu_opts = {.backend = PI0_BACKEND_CPU};
     pi0_model *gpu = NULL, *cpu = NULL;
     pi0_error err = {0};
@@ -291,16 +329,24 @@ TEST(full_size_cuda_vs_cpu) {
     pi0_model_free(cpu);
 }
 
+TEST(full_size_pi0_cuda_vs_cpu) { full_size_cuda_vs_cpu(pi0_dims_pi0()); }
+TEST(full_size_pi05_cuda_vs_cpu) { full_size_cuda_vs_cpu(pi0_dims_pi05()); }
+
 int main(int argc, char **argv) {
     check_init(argc, argv);
     gpu_seed();
     RUN(fixture_pi0_tiny);
     RUN(fixture_pi0_tiny_h50);
+    RUN(fixture_pi05_tiny);
+    RUN(fixture_pi05_tiny_h50);
+    RUN(fixture_pi0_tiny_by_sample);
+    RUN(fixture_pi05_tiny_by_sample);
     RUN(ragged_batch_matches_cpu);
     RUN(single_sample_matches_cpu);
     RUN(graph_replay_equals_eager_and_repeats);
     RUN(graph_cache_many_shapes);
     RUN(bad_input_on_cuda);
-    RUN(full_size_cuda_vs_cpu);
+    RUN(full_size_pi0_cuda_vs_cpu);
+    RUN(full_size_pi05_cuda_vs_cpu);
     return check_finish();
 }

@@ -79,6 +79,45 @@ TEST(rmsnorm_matches_cpu_with_row_map) {
     rmsnorm_case(2056); /* past the register path's rows */
 }
 
+/* Pi0.5's adaptive RMSNorm (scale and shift) through a row map, and the gated residual add. */
+static void rmsnorm_mod_case(int dim) {
+    int rows = 29, out_rows = 11;
+    size_t n = (size_t)rows * dim;
+    float *x = malloc(n * 4), *scale = malloc(dim * 4), *shift = malloc(dim * 4), *ref = malloc((size_t)out_rows * dim * 4);
+    int map[11];
+    fill_uniform(x, n, 5.0f), fill_uniform(scale, dim, 0.8f), fill_uniform(shift, dim, 1.0f);
+    for (int i = 0; i < out_rows; i++) {
+        map[i] = (i * 5 + 2) % rows;
+        cpu_rmsnorm_mod(ref + (size_t)i * dim, x + (size_t)map[i] * dim, 1, dim, scale, shift, 1e-6f);
+    }
+    float *dx = dev_upload(x, n * 4), *dscale = dev_upload(scale, dim * 4), *dshift = dev_upload(shift, dim * 4);
+    int *dmap = dev_upload(map, sizeof map);
+    pi0_bf16 *dout = dev_poisoned((size_t)out_rows * dim * 2);
+    CUDA_OK(pi0_cuda_rmsnorm_mod(dout, dx, dmap, out_rows, dim, dscale, dshift, 1e-6f, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got = download_bf16(dout, (size_t)out_rows * dim);
+    double e = rel_error(got, ref, (size_t)out_rows * dim);
+    CHECK(e <= TOL_BF16_OUT, "adaptive rmsnorm, dim %d: %.3g", dim, e);
+    /* gated add: x += gate * y, against the CPU's */
+    float *y = malloc(n * 4), *gate = malloc(dim * 4), *want = malloc(n * 4);
+    fill_uniform(y, n, 2.0f), fill_uniform(gate, dim, 1.5f);
+    memcpy(want, x, n * 4);
+    cpu_add_gated(want, y, rows, dim, gate);
+    float *dy = dev_upload(y, n * 4), *dgate = dev_upload(gate, dim * 4);
+    CUDA_OK(pi0_cuda_add_gated(dx, dy, dgate, rows, dim, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *sum = download_f32(dx, n);
+    CHECK(rel_error(sum, want, n) <= 1e-6, "gated add, dim %d: %.3g", dim, rel_error(sum, want, n));
+    free(x), free(scale), free(shift), free(ref), free(got), free(y), free(gate), free(want), free(sum);
+    cudaFree(dx), cudaFree(dscale), cudaFree(dshift), cudaFree(dmap), cudaFree(dout), cudaFree(dy), cudaFree(dgate);
+}
+
+TEST(rmsnorm_mod_and_gated_add_match_cpu) {
+    rmsnorm_mod_case(1024); /* Pi0.5's expert: from registers */
+    rmsnorm_mod_case(1030); /* from memory */
+    rmsnorm_mod_case(48);   /* the tiny fixtures' expert */
+}
+
 static void gelu_mul_case(int rows, int mlp) {
     size_t n = (size_t)rows * 2 * mlp;
     float *in = malloc(n * 4), *gate = malloc((size_t)rows * mlp * 4), *up = malloc((size_t)rows * mlp * 4);
@@ -229,6 +268,12 @@ TEST(assemble_prefix_and_suffix) {
             }
     CHECK(bad == 0, "assemble_suffix: %d mismatches", bad);
     CHECK(bad_bf16 == 0, "assemble_suffix bf16 copy: %d mismatches", bad_bf16);
+    /* Pi0.5: no state token, the actions alone */
+    CUDA_OK(pi0_cuda_assemble_suffix(dsuffix, dsuffix_bf16, NULL, dact, B, H, W, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    free(suffix);
+    suffix = download_f32(dsuffix, (size_t)B * (H + 1) * W);
+    CHECK(memcmp(suffix, act, (size_t)B * H * W * 4) == 0, "assemble_suffix without a state differs from the actions");
     free(vision), free(embed), free(embed_bits), free(x), free(state), free(act), free(suffix), free(suffix_bf16);
     cudaFree(dvision), cudaFree(dx), cudaFree(dembed), cudaFree(dsrc), cudaFree(dstate), cudaFree(dact), cudaFree(dsuffix);
     cudaFree(dsuffix_bf16);
@@ -317,6 +362,7 @@ int main(int argc, char **argv) {
     gpu_seed();
     RUN(layernorm_matches_cpu);
     RUN(rmsnorm_matches_cpu_with_row_map);
+    RUN(rmsnorm_mod_and_gated_add_match_cpu);
     RUN(gelu_mul_matches_cpu);
     RUN(rope_qkv_matches_cpu);
     RUN(im2col_and_bias_pos);

@@ -3,8 +3,9 @@
  * same bf16 operands, on fresh random inputs: every epilogue, with and without the fused RMSNorm,
  * Pi0's expert shapes and awkward ones (row counts around the 16-row tile, column counts that are
  * not multiples of the block's tile, k not a multiple of the 32-wide chunk), the fused RoPE and K/V
- * cache writes against the CPU's RoPE, plus repeatability, untouched memory past the outputs, and the
- * arguments it must refuse.
+ * cache writes against the CPU's RoPE, Pi0.5's adaptive-norm inputs (x scaled by 1 + in_scale, a column
+ * bias) and gated residual, plus repeatability, untouched memory past the outputs, and the arguments it
+ * must refuse.
  */
 #include "cpu/ops.h"
 #include "cuda/skinny.h"
@@ -14,7 +15,34 @@
 
 typedef struct {
     int m, n, k, epilogue, rms_norm;
+    int adaptive; /* Pi0.5: in_scale and col_bias (STORE, GELU_MUL), or a gate (RESIDUAL) */
 } skinny_case;
+
+/* The adaptive inputs of a case: 1 + scale per k, a bias and a gate per column (NULL when not used). */
+typedef struct {
+    float *scale, *bias, *gate;
+} adaptive_inputs;
+
+static adaptive_inputs adaptive_draw(int adaptive, int epilogue, int n, int k) {
+    adaptive_inputs a = {0};
+    if (!adaptive) return a;
+    if (epilogue == SKINNY_RESIDUAL) {
+        fill_uniform(a.gate = malloc((size_t)n * 4), n, 1.5f);
+        return a;
+    }
+    fill_uniform(a.scale = malloc((size_t)k * 4), k, 0.8f);
+    fill_uniform(a.bias = malloc((size_t)n * 4), n, 1.0f);
+    return a;
+}
+
+static void adaptive_free(adaptive_inputs *a) {
+    free(a->scale), free(a->bias), free(a->gate);
+}
+
+/* x[i, t] (1 + scale[t]) for the oracle, in double. */
+static double scaled_x(const float *x, const adaptive_inputs *a, int k, int i, int t) {
+    return (double)x[(size_t)i * k + t] * (a->scale ? 1.0 + a->scale[t] : 1.0);
+}
 
 static int poisoned_bf16(const uint16_t *h, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -30,8 +58,9 @@ static void run_case(skinny_case c) {
     fill_uniform(w, (size_t)n * k, 1.0f / sqrtf((float)k));
     fill_uniform(res, (size_t)m * n, 2.0f);
     uint16_t *xb = to_bf16_rounding(x, (size_t)m * k), *wb = to_bf16_rounding(w, (size_t)n * k);
+    adaptive_inputs ad = adaptive_draw(c.adaptive, c.epilogue, n, k);
 
-    /* oracle: row scale from the bf16 x, products in double */
+    /* oracle: row scale from the bf16 x (before any adaptive scale), products in double */
     float *ref = malloc(out_n * 4 + 4);
     for (int i = 0; i < m; i++) {
         double scale = 1, ss = 0;
@@ -39,10 +68,11 @@ static void run_case(skinny_case c) {
         if (c.rms_norm) scale = 1 / sqrt(ss / k + 1e-6);
         for (int j = 0; j < n; j++) {
             double acc = 0;
-            for (int t = 0; t < k; t++) acc += (double)x[(size_t)i * k + t] * w[(size_t)j * k + t];
-            acc *= scale;
+            for (int t = 0; t < k; t++) acc += scaled_x(x, &ad, k, i, t) * w[(size_t)j * k + t];
+            acc = acc * scale + (ad.bias ? ad.bias[j] : 0.0);
             if (c.epilogue == SKINNY_STORE) ref[(size_t)i * n + j] = (float)acc;
-            else if (c.epilogue == SKINNY_RESIDUAL) ref[(size_t)i * n + j] = res[(size_t)i * n + j] + (float)acc;
+            else if (c.epilogue == SKINNY_RESIDUAL)
+                ref[(size_t)i * n + j] = res[(size_t)i * n + j] + (float)((ad.gate ? ad.gate[j] : 1.0) * acc);
             else if (j % 2 == 0) ref[(size_t)i * out_cols + j / 2] = cpu_gelu_tanh((float)acc);
             else ref[(size_t)i * out_cols + j / 2] *= (float)acc;
         }
@@ -51,9 +81,12 @@ static void run_case(skinny_case c) {
     pi0_bf16 *dx = dev_upload(xb, (size_t)m * k * 2), *dw = dev_upload(wb, (size_t)n * k * 2);
     pi0_bf16 *dout = dev_poisoned((out_n + GUARD) * 2), *dres_bf16 = dev_poisoned(((size_t)m * n + GUARD) * 2);
     float *dres = dev_upload(NULL, ((size_t)m * n + GUARD) * 4);
+    float *dscale = ad.scale ? dev_upload(ad.scale, (size_t)k * 4) : NULL, *dbias = ad.bias ? dev_upload(ad.bias, (size_t)n * 4) : NULL;
+    float *dgate = ad.gate ? dev_upload(ad.gate, (size_t)n * 4) : NULL;
     REQUIRE(dx && dw && dout && dres_bf16 && dres, "device allocation");
-    skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = c.rms_norm, .eps = 1e-6f,
-                     .epilogue = c.epilogue, .out = dout, .residual = dres, .residual_bf16 = dres_bf16};
+    skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = c.rms_norm, .eps = 1e-6f, .in_scale = dscale,
+                     .col_bias = dbias, .epilogue = c.epilogue, .out = dout, .residual = dres, .residual_bf16 = dres_bf16,
+                     .gate = dgate};
     float *got[2] = {NULL, NULL};
     uint16_t *bits[2] = {NULL, NULL};
     for (int run = 0; run < 2; run++) { /* twice from the same inputs: bitwise repeatable */
@@ -72,7 +105,8 @@ static void run_case(skinny_case c) {
     }
     const size_t got_n = c.epilogue == SKINNY_RESIDUAL ? (size_t)m * n : out_n;
     double e = rel_error(got[0], ref, got_n), tol = c.epilogue == SKINNY_RESIDUAL ? 1e-5 : 1e-2;
-    CHECK(e <= tol, "m %d n %d k %d epilogue %d norm %d: error %.3g", m, n, k, c.epilogue, c.rms_norm, e);
+    CHECK(e <= tol, "m %d n %d k %d epilogue %d norm %d adaptive %d: error %.3g", m, n, k, c.epilogue, c.rms_norm,
+          c.adaptive, e);
     CHECK(!memcmp(got[0], got[1], got_n * 4) && !memcmp(bits[0], bits[1], got_n * 2),
           "m %d n %d k %d epilogue %d: two runs differ", m, n, k, c.epilogue);
     CHECK(poisoned_bf16(bits[0] + got_n, GUARD), "m %d n %d k %d epilogue %d: wrote past the output", m, n, k, c.epilogue);
@@ -88,34 +122,50 @@ static void run_case(skinny_case c) {
     }
     for (int run = 0; run < 2; run++) free(got[run]), free(bits[run]);
     free(x), free(w), free(res), free(xb), free(wb), free(ref);
+    adaptive_free(&ad);
     cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(dres_bf16), cudaFree(dres);
+    cudaFree(dscale), cudaFree(dbias), cudaFree(dgate);
 }
 
 TEST(pi0_expert_shapes) {
     /* one denoise layer at batch 1, horizon 10: 11 rows */
-    run_case((skinny_case){11, 2560, 1024, SKINNY_STORE, 1});    /* QKV, input norm folded */
-    run_case((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0}); /* o_proj + residual */
-    run_case((skinny_case){11, 8192, 1024, SKINNY_GELU_MUL, 1}); /* gate|up, post-attention norm, gelu x up */
-    run_case((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0}); /* down + residual */
+    run_case((skinny_case){11, 2560, 1024, SKINNY_STORE, 1, 0});    /* QKV, input norm folded */
+    run_case((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0, 0}); /* o_proj + residual */
+    run_case((skinny_case){11, 8192, 1024, SKINNY_GELU_MUL, 1, 0}); /* gate|up, post-attention norm, gelu x up */
+    run_case((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0, 0}); /* down + residual */
+}
+
+TEST(pi05_expert_shapes) {
+    /* batch 1, horizon 10: 10 rows, the adaptive norms' scale and shift, the gated residuals */
+    run_case((skinny_case){10, 2560, 1024, SKINNY_STORE, 1, 1});
+    run_case((skinny_case){10, 1024, 2048, SKINNY_RESIDUAL, 0, 1});
+    run_case((skinny_case){10, 8192, 1024, SKINNY_GELU_MUL, 1, 1});
+    run_case((skinny_case){10, 1024, 4096, SKINNY_RESIDUAL, 0, 1});
+    const int rows[] = {1, 15, 17};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        run_case((skinny_case){rows[i], 1000, 40, SKINNY_STORE, 1, 1});      /* k tail, n past the tile */
+        run_case((skinny_case){rows[i], 4106, 1032, SKINNY_GELU_MUL, 1, 1}); /* 8 chunks a pass, k tail */
+        run_case((skinny_case){rows[i], 7, 264, SKINNY_RESIDUAL, 0, 1});     /* n < 8, gated */
+    }
 }
 
 TEST(awkward_shapes) {
     const int rows[] = {1, 8, 9, 16, 17, 40};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
-        run_case((skinny_case){rows[i], 24, 8, SKINNY_STORE, 0});          /* k below one chunk */
-        run_case((skinny_case){rows[i], 1000, 40, SKINNY_STORE, 1});       /* k tail, n past the tile */
-        run_case((skinny_case){rows[i], 7, 264, SKINNY_RESIDUAL, 0});      /* n < 8 */
-        run_case((skinny_case){rows[i], 8200, 1024, SKINNY_GELU_MUL, 1});  /* 4 n8 tiles a block, the last block partial */
-        run_case((skinny_case){rows[i], 4106, 1032, SKINNY_GELU_MUL, 0});  /* 8 chunks a pass, k tail */
-        run_case((skinny_case){rows[i], 1030, 4104, SKINNY_RESIDUAL, 1});  /* C 8, a second pass */
-        run_case((skinny_case){rows[i], 2056, 2056, SKINNY_STORE, 0});     /* 16 warps, k tail */
+        run_case((skinny_case){rows[i], 24, 8, SKINNY_STORE, 0, 0});          /* k below one chunk */
+        run_case((skinny_case){rows[i], 1000, 40, SKINNY_STORE, 1, 0});       /* k tail, n past the tile */
+        run_case((skinny_case){rows[i], 7, 264, SKINNY_RESIDUAL, 0, 0});      /* n < 8 */
+        run_case((skinny_case){rows[i], 8200, 1024, SKINNY_GELU_MUL, 1, 0});  /* 4 n8 tiles a block, the last block partial */
+        run_case((skinny_case){rows[i], 4106, 1032, SKINNY_GELU_MUL, 0, 0});  /* 8 chunks a pass, k tail */
+        run_case((skinny_case){rows[i], 1030, 4104, SKINNY_RESIDUAL, 1, 0});  /* C 8, a second pass */
+        run_case((skinny_case){rows[i], 2056, 2056, SKINNY_STORE, 0, 0});     /* 16 warps, k tail */
     }
 }
 
 /* SKINNY_ROPE_QKV: q to out, k and v to cache rows 2i + 1 of a (2m + 2)-row cache (the rows between
  * must stay untouched, as must out's k and v columns), against the product in double followed by the
  * CPU backend's RoPE at random positions. */
-static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_norm) {
+static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_norm, int adaptive) {
     const int n = (heads + 2 * kv_heads) * hd, q_dim = heads * hd, kv_dim = kv_heads * hd, max_pos = 1000;
     const int cache_n = 2 * m + 2;
     float *x = malloc((size_t)m * k * 4), *w = malloc((size_t)n * k * 4), *ref = malloc((size_t)m * n * 4);
@@ -124,14 +174,15 @@ static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_nor
     uint16_t *xb = to_bf16_rounding(x, (size_t)m * k), *wb = to_bf16_rounding(w, (size_t)n * k);
     int *pos = malloc(sizeof(int) * m), *rows = malloc(sizeof(int) * m);
     for (int i = 0; i < m; i++) pos[i] = (int)((gpu_uniform() + 1) * 0.5f * (max_pos - 1)), rows[i] = 2 * i + 1;
+    adaptive_inputs ad = adaptive_draw(adaptive, SKINNY_ROPE_QKV, n, k);
     for (int i = 0; i < m; i++) {
         double ss = 0, scale = 1;
         for (int t = 0; t < k; t++) ss += (double)x[(size_t)i * k + t] * x[(size_t)i * k + t];
         if (rms_norm) scale = 1 / sqrt(ss / k + 1e-6);
         for (int j = 0; j < n; j++) {
             double acc = 0;
-            for (int t = 0; t < k; t++) acc += (double)x[(size_t)i * k + t] * w[(size_t)j * k + t];
-            ref[(size_t)i * n + j] = (float)(acc * scale);
+            for (int t = 0; t < k; t++) acc += scaled_x(x, &ad, k, i, t) * w[(size_t)j * k + t];
+            ref[(size_t)i * n + j] = (float)(acc * scale + (ad.bias ? ad.bias[j] : 0.0));
         }
     }
     rope_table table = {0};
@@ -145,9 +196,10 @@ static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_nor
     int *dpos = dev_upload(pos, sizeof(int) * m), *drows = dev_upload(rows, sizeof(int) * m);
     float *dcos = dev_upload(table.cos, sizeof(float) * max_pos * (hd / 2));
     float *dsin = dev_upload(table.sin, sizeof(float) * max_pos * (hd / 2));
+    float *dscale = ad.scale ? dev_upload(ad.scale, (size_t)k * 4) : NULL, *dbias = ad.bias ? dev_upload(ad.bias, (size_t)n * 4) : NULL;
     REQUIRE(dx && dw && dout && dk && dv && dpos && drows && dcos && dsin, "device allocation");
-    skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = rms_norm, .eps = 1e-6f,
-                     .epilogue = SKINNY_ROPE_QKV, .out = dout, .heads = heads, .kv_heads = kv_heads, .head_dim = hd,
+    skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = rms_norm, .eps = 1e-6f, .in_scale = dscale,
+                     .col_bias = dbias, .epilogue = SKINNY_ROPE_QKV, .out = dout, .heads = heads, .kv_heads = kv_heads, .head_dim = hd,
                      .positions = dpos, .cache_rows = drows, .rope_cos = dcos, .rope_sin = dsin, .cache_k = dk,
                      .cache_v = dv};
     CHECK(pi0_cuda_skinny_supported(&a), "rope case refused");
@@ -183,18 +235,21 @@ static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_nor
     for (int run = 0; run < 2; run++)
         for (int b = 0; b < 3; b++) free(bits[run][b]);
     rope_table_free(&table);
+    adaptive_free(&ad);
+    cudaFree(dscale), cudaFree(dbias);
     free(x), free(w), free(ref), free(xb), free(wb), free(pos), free(rows), free(got);
     cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(dk), cudaFree(dv), cudaFree(dpos), cudaFree(drows);
     cudaFree(dcos), cudaFree(dsin);
 }
 
 TEST(rope_qkv) {
-    rope_case(11, 8, 1, 256, 1024, 1); /* Pi0's expert QKV at batch 1 */
+    rope_case(11, 8, 1, 256, 1024, 1, 0); /* Pi0's expert QKV at batch 1 */
+    rope_case(10, 8, 1, 256, 1024, 1, 1); /* Pi0.5's, with the adaptive norm's scale and shift */
     const int rows[] = {1, 9, 17, 40};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
-        rope_case(rows[i], 3, 1, 32, 40, 0);   /* k below two chunks, with a tail */
-        rope_case(rows[i], 2, 2, 16, 264, 1);  /* several kv heads, the smallest head */
-        rope_case(rows[i], 4, 1, 48, 2056, 1); /* 3 blocks a head, 16 warps, k tail */
+        rope_case(rows[i], 3, 1, 32, 40, 0, 0);   /* k below two chunks, with a tail */
+        rope_case(rows[i], 2, 2, 16, 264, 1, 1);  /* several kv heads, the smallest head, adaptive */
+        rope_case(rows[i], 4, 1, 48, 2056, 1, 0); /* 3 blocks a head, 16 warps, k tail */
     }
 }
 
@@ -210,6 +265,8 @@ TEST(refuses_what_it_cannot_run) {
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "k not a multiple of 8 accepted");
     bad = ok, bad.x = buf + 1;
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "misaligned x accepted");
+    bad = ok, bad.in_scale = res + 1;
+    CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "misaligned in_scale accepted");
     bad = ok, bad.epilogue = SKINNY_GELU_MUL, bad.n = 15;
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "odd n with gelu x up accepted");
     bad = ok, bad.epilogue = SKINNY_RESIDUAL, bad.residual_bf16 = NULL;
@@ -229,6 +286,7 @@ int main(int argc, char **argv) {
     check_init(argc, argv);
     gpu_seed();
     RUN(pi0_expert_shapes);
+    RUN(pi05_expert_shapes);
     RUN(awkward_shapes);
     RUN(rope_qkv);
     RUN(refuses_what_it_cannot_run);
