@@ -10,13 +10,13 @@
 #include "util/rng.h"
 
 static const char *help =
-    "usage: pi0 bench [--checkpoint DIR | --dims FILE] [--backend auto|cpu|cuda] [--batch B]\n"
+    "usage: pi0 bench [--checkpoint DIR | --model pi0|pi05 | --dims FILE] [--backend auto|cpu|cuda] [--batch B]\n"
     "                 [--cameras 3] [--masked-cameras 1] [--prompt-len 20] [--horizon 10] [--steps 10]\n"
     "                 [--warmup W] [--iters N] [--seed N] [--json]\n"
     "\n"
     "Times sample_actions on random images, state, prompt and noise. Without --checkpoint the model\n"
-    "is built from random weights of the real Pi0 size (or of the dims in FILE, a config.json with a\n"
-    "`dims` block as `pi0 init` writes). The default workload is the seed documents': one sample,\n"
+    "is built from random weights of the real size of --model (default pi0), or of the dims in FILE (a\n"
+    "config.json with a `dims` block as `pi0 init` writes). The default workload is the seed documents': one sample,\n"
     "3 cameras with the last one masked, 20 prompt tokens, horizon 10, 10 steps.\n"
     "Defaults: --warmup 1 --iters 5 on the CPU, --warmup 10 --iters 100 on a GPU.\n"
     "Prints mean, p50, p95, min, max latency, Hz, samples/s, peak memory and the time per stage.\n";
@@ -89,8 +89,9 @@ static void report(const workload *w, const bench_stats *s, pi0_model *model, do
     double gpu_gb = (double)pi0_model_device_memory(model) / 1e9;
     if (json) {
         json_t *o = json_pack(
-            "{s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:f,s:{s:f,s:f,s:f}}", "backend",
-            pi0_backend_name(pi0_model_backend(model)), "batch", w->batch, "cameras", w->cameras, "masked_cameras",
+            "{s:s,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:f,s:{s:f,s:f,s:f}}", "model",
+            pi0_model_kind_name(pi0_model_dims(model)->kind), "backend", pi0_backend_name(pi0_model_backend(model)),
+            "batch", w->batch, "cameras", w->cameras, "masked_cameras",
             w->masked, "prompt_len", w->prompt_len, "horizon", w->horizon, "steps", w->steps, "iters", w->iters,
             "latency_ms", "mean", s->mean, "p50", s->p50, "p95", s->p95, "min", s->min, "max", s->max, "hz", hz,
             "samples_per_s", samples_per_s, "peak_host_memory_gb", peak_gb, "peak_gpu_memory_gb", gpu_gb, "stages_ms", "vision", s->vision, "prefix",
@@ -101,9 +102,9 @@ static void report(const workload *w, const bench_stats *s, pi0_model *model, do
         json_decref(o);
         return;
     }
-    printf("pi0 bench: backend %s, batch %lld, %lld cameras (%lld masked), %lld prompt tokens, horizon %lld, %lld steps, "
-           "%lld iterations\n",
-           pi0_backend_name(pi0_model_backend(model)), w->batch, w->cameras, w->masked, w->prompt_len, w->horizon,
+    printf("pi0 bench: %s, backend %s, batch %lld, %lld cameras (%lld masked), %lld prompt tokens, horizon %lld, "
+           "%lld steps, %lld iterations\n",
+           pi0_model_kind_name(pi0_model_dims(model)->kind), pi0_backend_name(pi0_model_backend(model)), w->batch, w->cameras, w->masked, w->prompt_len, w->horizon,
            w->steps, w->iters);
     printf("latency ms: mean %.2f  p50 %.2f  p95 %.2f  min %.2f  max %.2f\n", s->mean, s->p50, s->p95, s->min, s->max);
     printf("throughput: %.2f Hz, %.2f samples/s\n", hz, samples_per_s);
@@ -161,7 +162,7 @@ done:
 }
 
 int cmd_bench(int argc, char **argv) {
-    const char *checkpoint = NULL, *dims_path = NULL, *backend_name = "auto";
+    const char *checkpoint = NULL, *dims_path = NULL, *backend_name = "auto", *model_name = NULL;
     workload w = {.batch = 1, .cameras = 3, .masked = 1, .prompt_len = 20, .horizon = 10, .steps = 10, .warmup = -1,
                   .iters = -1, .seed = 0};
     const int_flag ints[] = {
@@ -175,7 +176,7 @@ int cmd_bench(int argc, char **argv) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--json")) { json = 1; continue; }
         if ((r = flag_value(argc, argv, &i, "--checkpoint", &checkpoint)) || (r = flag_value(argc, argv, &i, "--dims", &dims_path)) ||
-            (r = flag_value(argc, argv, &i, "--backend", &backend_name))) {
+            (r = flag_value(argc, argv, &i, "--backend", &backend_name)) || (r = flag_value(argc, argv, &i, "--model", &model_name))) {
             if (r < 0) return usage_error("bench", "%s needs a value", argv[i]);
             continue;
         }
@@ -184,13 +185,18 @@ int cmd_bench(int argc, char **argv) {
         if (bad) return int_flag_error("bench", f);
     }
     if (w.masked > w.cameras) return usage_error("bench", "--masked-cameras exceeds --cameras");
-    if (checkpoint && dims_path) return usage_error("bench", "--checkpoint and --dims exclude each other");
+    if (checkpoint && (dims_path || model_name))
+        return usage_error("bench", "--checkpoint excludes --dims and --model (the checkpoint says what it is)");
+    pi0_model_kind kind = PI0_MODEL_PI0;
+    if (model_name && model_kind_from_name(model_name, &kind))
+        return usage_error("bench", "--model takes pi0 or pi05, not '%s'", model_name);
     pi0_backend backend;
     if (pi0_backend_from_name(backend_name, &backend)) return usage_error("bench", "unknown backend '%s'", backend_name);
 
     pi0_error err = {0};
     pi0_model *model = NULL;
-    if (open_model(checkpoint, dims_path, (uint64_t)w.seed, backend, json, &model, &err)) return run_error("bench", &err);
+    if (open_model(checkpoint, dims_path, model_name ? (int)kind : -1, (uint64_t)w.seed, backend, json, &model, &err))
+        return run_error("bench", &err);
     int gpu = pi0_model_backend(model) == PI0_BACKEND_CUDA;
     if (w.warmup < 0) w.warmup = gpu ? 10 : 1;
     if (w.iters < 0) w.iters = gpu ? 100 : 5;

@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "pi0.h"
+#include "pi0_policy.h"
 
 /* Exit codes: 0 success, 1 the work failed (bad checkpoint, bad input file, inference error),
  * 2 the command line was wrong. */
@@ -46,8 +46,15 @@ int int_flag_error(const char *cmd, const int_flag *flag);
 /* A load-progress callback printing whole percents to stderr. */
 void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total);
 
-/* Loads `checkpoint`, or builds random weights (from `dims_path`, else the real Pi0 size) when it is NULL. */
-pi0_status open_model(const char *checkpoint, const char *dims_path, uint64_t seed, pi0_backend backend, int quiet,
-                      pi0_model **model, pi0_error *err);
+/* "zscore" or "quantile" (--norm) into *mode; -1 for anything else. */
+int norm_mode_from_name(const char *name, pi0_norm_mode *mode);
+
+/* "pi0" or "pi05" (--model) into *kind; -1 for anything else. */
+int model_kind_from_name(const char *name, pi0_model_kind *kind);
+
+/* Loads `checkpoint`, or builds random weights when it is NULL: of the dims in `dims_path` (its "model" key
+ * telling the kind), else the real size of `kind`; `kind` >= 0 overrides the dims file's. */
+pi0_status open_model(const char *checkpoint, const char *dims_path, int kind, uint64_t seed, pi0_backend backend,
+                      int quiet, pi0_model **model, pi0_error *err);
 
 #endif

@@ -63,8 +63,22 @@ void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t t
     if (done >= total) fprintf(stderr, "\n");
 }
 
-pi0_status open_model(const char *checkpoint, const char *dims_path, uint64_t seed, pi0_backend backend, int quiet,
-                      pi0_model **model, pi0_error *err) {
+int norm_mode_from_name(const char *name, pi0_norm_mode *mode) {
+    if (!strcmp(name, "zscore")) *mode = PI0_NORM_ZSCORE;
+    else if (!strcmp(name, "quantile")) *mode = PI0_NORM_QUANTILE;
+    else return -1;
+    return 0;
+}
+
+int model_kind_from_name(const char *name, pi0_model_kind *kind) {
+    if (!strcmp(name, "pi0")) *kind = PI0_MODEL_PI0;
+    else if (!strcmp(name, "pi05")) *kind = PI0_MODEL_PI05;
+    else return -1;
+    return 0;
+}
+
+pi0_status open_model(const char *checkpoint, const char *dims_path, int kind, uint64_t seed, pi0_backend backend,
+                      int quiet, pi0_model **model, pi0_error *err) {
     int last_percent = -1;
     pi0_options opts = {.backend = backend, .progress = quiet ? NULL : progress_to_stderr, .progress_user = &last_percent};
     double t0 = pi0_now_ms();
@@ -72,13 +86,17 @@ pi0_status open_model(const char *checkpoint, const char *dims_path, uint64_t se
     if (checkpoint) {
         st = pi0_model_load(checkpoint, &opts, model, err);
     } else {
-        pi0_dims dims = pi0_dims_pi0();
+        pi0_dims dims = kind == PI0_MODEL_PI05 ? pi0_dims_pi05() : pi0_dims_pi0();
         if (dims_path && (st = config_load_dims(dims_path, &dims, err))) return st;
-        if (!quiet) fprintf(stderr, "building random weights (seed %llu)...\n", (unsigned long long)seed);
+        if (kind >= 0) dims.kind = (pi0_model_kind)kind;
+        if (!quiet)
+            fprintf(stderr, "building random %s weights (seed %llu)...\n", pi0_model_kind_name(dims.kind),
+                    (unsigned long long)seed);
         st = pi0_model_random(&dims, seed, &opts, model, err);
     }
     if (!st && !quiet)
-        fprintf(stderr, "model ready: %.2fB parameters, %s backend, %.1f s\n", pi0_model_num_params(*model) / 1e9,
+        fprintf(stderr, "model ready: %s, %.2fB parameters, %s backend, %.1f s\n",
+                pi0_model_kind_name(pi0_model_dims(*model)->kind), pi0_model_num_params(*model) / 1e9,
                 pi0_backend_name(pi0_model_backend(*model)), (pi0_now_ms() - t0) / 1e3);
     return st;
 }

@@ -14,7 +14,8 @@
 
 static const char *help =
     "usage: pi0 infer --checkpoint DIR --adapter NAME|FILE --obs OBS.msgpack [--output OUT.msgpack]\n"
-    "                 [--tokenizer PATH] [--norm-stats PATH] [--quantile-norm] [--steps N] [--seed N]\n"
+    "                 [--tokenizer PATH] [--norm-stats PATH] [--norm zscore|quantile] [--steps N] [--horizon N]\n"
+    "                 [--seed N]"
     "                 [--backend auto|cpu|cuda] [--json] [--quiet]\n"
     "\n"
     "Runs openpi's Policy.infer on one observation: the adapter picks the cameras, state and prompt;\n"
@@ -30,7 +31,10 @@ static const char *help =
     "  --tokenizer PATH     default: DIR/paligemma_tokenizer.model, then\n"
     "                       ~/.cache/openpi/big_vision/paligemma_tokenizer.model\n"
     "  --norm-stats PATH    default: the one norm_stats.json under DIR/assets/\n"
-    "  --quantile-norm      normalize with q01/q99 (openpi's use_quantile_norm) instead of z-score\n"
+    "  --norm MODE          zscore or quantile (q01/q99, openpi's use_quantile_norm); default: the model's\n"
+    "                       own, z-score for Pi0 and quantile for Pi0.5 as openpi's configs (--quantile-norm:\n"
+    "                       the same as --norm quantile)\n"
+    "  --horizon N          action steps (default: config.json's action_horizon, else the adapter's)\n"
     "  --steps N            Euler steps (default 10)\n"
     "  --seed N             noise seed (default 0); `pi0 serve --seed N` answers the same observation alike\n"
     "  --json               print {\"actions\": [[...]], \"infer_ms\": ...} instead of a table\n"
@@ -108,9 +112,9 @@ static void print_table(const pi0_policy_result *r, const char *adapter, double 
 }
 
 int cmd_infer(int argc, char **argv) {
-    const char *obs_path = NULL, *output = NULL, *backend_name = "auto";
+    const char *obs_path = NULL, *output = NULL, *backend_name = "auto", *norm = NULL;
     pi0_policy_options opts = {0};
-    long long steps = 10, seed = 0;
+    long long steps = 10, seed = 0, horizon = 0;
     int json = 0, quiet = 0, r, bad;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
@@ -122,12 +126,13 @@ int cmd_infer(int argc, char **argv) {
             (r = flag_value(argc, argv, &i, "--obs", &obs_path)) || (r = flag_value(argc, argv, &i, "--output", &output)) ||
             (r = flag_value(argc, argv, &i, "--tokenizer", &opts.tokenizer)) ||
             (r = flag_value(argc, argv, &i, "--norm-stats", &opts.norm_stats)) ||
-            (r = flag_value(argc, argv, &i, "--backend", &backend_name))) {
+            (r = flag_value(argc, argv, &i, "--backend", &backend_name)) || (r = flag_value(argc, argv, &i, "--norm", &norm))) {
             if (r < 0) return usage_error("infer", "%s needs a value", argv[i]);
             continue;
         }
-        const int_flag ints[] = {{"--steps", 1, PI0_MAX_STEPS, &steps}, {"--seed", 0, INT64_MAX, &seed}}, *f;
-        if ((f = int_flag_value(argc, argv, &i, ints, 2, &bad))) {
+        const int_flag ints[] = {{"--steps", 1, PI0_MAX_STEPS, &steps}, {"--seed", 0, INT64_MAX, &seed},
+                                 {"--horizon", 1, PI0_MAX_HORIZON, &horizon}}, *f;
+        if ((f = int_flag_value(argc, argv, &i, ints, 3, &bad))) {
             if (bad) return int_flag_error("infer", f);
             continue;
         }
@@ -137,7 +142,9 @@ int cmd_infer(int argc, char **argv) {
         return usage_error("infer", "--checkpoint, --adapter and --obs are required");
     if (pi0_backend_from_name(backend_name, &opts.model.backend))
         return usage_error("infer", "unknown backend '%s'", backend_name);
+    if (norm && norm_mode_from_name(norm, &opts.norm_mode)) return usage_error("infer", "--norm takes zscore or quantile");
     opts.num_steps = (int)steps;
+    opts.horizon = (int)horizon;
     int last_percent = -1;
     opts.model.progress = quiet ? NULL : progress_to_stderr;
     opts.model.progress_user = &last_percent;

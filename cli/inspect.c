@@ -11,9 +11,10 @@
 static const char *help =
     "usage: pi0 inspect --checkpoint DIR [--json]\n"
     "\n"
-    "Prints the dims derived from the checkpoint's shapes and config.json, the dtypes it stores, the\n"
-    "parameter count per part, and the tensors that are missing, mis-shaped or unused. Exits 1 when\n"
-    "the checkpoint cannot be loaded as it is.\n";
+    "Prints which model the checkpoint holds (Pi0 or Pi0.5, told from its tensor names, and why), the\n"
+    "dims derived from its shapes and config.json, the dtypes it stores, the parameter count per part,\n"
+    "and the tensors that are missing, mis-shaped or unused. Exits 1 when the checkpoint cannot be\n"
+    "loaded as it is.\n";
 
 typedef struct {
     uint64_t params[PART_COUNT], dtype_count[8], dtype_bytes[8];
@@ -58,7 +59,8 @@ static json_t *inspection_json(const checkpoint *ck, const inspection *r) {
         total += r->params[p];
     }
     json_object_set_new(params, "total", json_integer((json_int_t)total));
-    return json_pack("{s:s,s:{s:o,s:i,s:i,s:o,s:o,s:i,s:i,s:i,s:i},s:o,s:o,s:O,s:O,s:O,s:O}", "prefix", ck->prefix, "dims",
+    return json_pack("{s:s,s:s,s:s,s:{s:o,s:i,s:i,s:o,s:o,s:i,s:i,s:i,s:i},s:o,s:o,s:O,s:O,s:O,s:O}", "model",
+                     pi0_model_kind_name(d->kind), "model_reason", config_model_kind_reason(d->kind), "prefix", ck->prefix, "dims",
                      "vision", config_stack_json(&d->vision), "patch_size", d->patch_size, "image_size", d->image_size, "llm",
                      config_stack_json(&d->llm), "expert", config_stack_json(&d->expert), "vocab_size", d->vocab_size, "action_dim",
                      d->action_dim, "action_horizon", d->action_horizon, "max_token_len", d->max_token_len, "dtypes",
@@ -86,6 +88,7 @@ static void print_names(const char *title, json_t *list) {
 static void print_text(const checkpoint *ck, const inspection *r) {
     const pi0_dims *d = &ck->dims;
     uint64_t total = 0;
+    printf("model: %s (%s)\n", d->kind == PI0_MODEL_PI05 ? "Pi0.5" : "Pi0", config_model_kind_reason(d->kind));
     printf("checkpoint: %d tensors%s%s%s\n", ck->file.num_tensors, ck->prefix[0] ? ", name prefix '" : "", ck->prefix,
            ck->prefix[0] ? "'" : "");
     printf("dims:\n");

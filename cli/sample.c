@@ -224,7 +224,7 @@ int cmd_sample(int argc, char **argv) {
     sample_inputs in = {0};
     float *actions = NULL;
     int rc = EXIT_OK;
-    if (open_model(checkpoint, NULL, 0, backend, quiet, &model, &err) ||
+    if (open_model(checkpoint, NULL, -1, 0, backend, quiet, &model, &err) ||
         read_inputs(inputs, pi0_model_dims(model), &in, &err)) {
         rc = run_error("sample", &err);
         goto done;

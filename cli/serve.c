@@ -10,7 +10,8 @@
 static const char *help =
     "usage: pi0 serve --checkpoint DIR --adapter libero|droid|FILE.json [--host 127.0.0.1] [--port 8000]\n"
     "                 [--max-batch 8] [--batch-wait-ms 2] [--max-frame-mb 64] [--tokenizer PATH]\n"
-    "                 [--norm-stats PATH] [--quantile-norm] [--steps N] [--seed N] [--backend auto|cpu|cuda] [--quiet]\n"
+    "                 [--norm-stats PATH] [--norm zscore|quantile] [--steps N] [--horizon N] [--seed N]\n"
+    "                 [--backend auto|cpu|cuda] [--quiet]\n"
     "\n"
     "Serves the policy over openpi's websocket protocol: openpi_client's WebsocketClientPolicy connects to\n"
     "ws://HOST:PORT, gets a metadata map, then sends msgpack observations and gets back\n"
@@ -28,7 +29,8 @@ static const char *help =
     "  --adapter            how the robot's observation maps onto the model: libero, droid, or a JSON file\n"
     "  --tokenizer PATH     default: DIR/paligemma_tokenizer.model, then openpi's download cache\n"
     "  --norm-stats PATH    default: the norm_stats.json under DIR/assets/\n"
-    "  --quantile-norm      normalize with q01/q99 (openpi's use_quantile_norm) instead of z-score\n"
+    "  --norm MODE          zscore or quantile; default: the model's own (see pi0 infer --help)\n"
+    "  --horizon N          action steps (default: config.json's action_horizon, else the adapter's)\n"
     "  --steps N            Euler steps (default 10)\n"
     "  --seed N             every request uses noise from seed N (reproducible); default: a fresh seed each\n"
     "  --port 0             any free port (the \"listening on\" line says which)\n"
@@ -61,23 +63,25 @@ static void log_line(void *user, const char *line) {
 
 int cmd_serve(int argc, char **argv) {
     const char *checkpoint = NULL, *adapter = NULL, *tokenizer = NULL, *norm_stats = NULL, *backend_name = "auto";
-    const char *host = "127.0.0.1";
-    long long port = 8000, max_batch = 8, wait_ms = 2, frame_mb = 64, steps = 10, seed = 0;
+    const char *host = "127.0.0.1", *norm = NULL;
+    long long port = 8000, max_batch = 8, wait_ms = 2, frame_mb = 64, steps = 10, seed = 0, horizon = 0;
     int has_seed = 0, quiet = 0, r, bad;
-    pi0_norm_mode norm_mode = PI0_NORM_ZSCORE;
+    pi0_norm_mode norm_mode = PI0_NORM_DEFAULT;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--quiet")) { quiet = 1; continue; }
         if (!strcmp(argv[i], "--quantile-norm")) { norm_mode = PI0_NORM_QUANTILE; continue; }
         if ((r = flag_value(argc, argv, &i, "--checkpoint", &checkpoint)) || (r = flag_value(argc, argv, &i, "--adapter", &adapter)) ||
             (r = flag_value(argc, argv, &i, "--tokenizer", &tokenizer)) || (r = flag_value(argc, argv, &i, "--norm-stats", &norm_stats)) ||
-            (r = flag_value(argc, argv, &i, "--backend", &backend_name)) || (r = flag_value(argc, argv, &i, "--host", &host))) {
+            (r = flag_value(argc, argv, &i, "--backend", &backend_name)) || (r = flag_value(argc, argv, &i, "--host", &host)) ||
+            (r = flag_value(argc, argv, &i, "--norm", &norm))) {
             if (r < 0) return usage_error("serve", "%s needs a value", argv[i]);
             continue;
         }
         const int_flag ints[] = {
             {"--port", 0, 65535, &port}, {"--max-batch", 1, 64, &max_batch}, {"--batch-wait-ms", 0, 60000, &wait_ms},
             {"--max-frame-mb", 1, 4096, &frame_mb}, {"--steps", 1, PI0_MAX_STEPS, &steps}, {"--seed", 0, INT64_MAX, &seed},
+            {"--horizon", 1, PI0_MAX_HORIZON, &horizon},
         };
         const int_flag *f = int_flag_value(argc, argv, &i, ints, sizeof ints / sizeof ints[0], &bad);
         if (f) {
@@ -92,11 +96,12 @@ int cmd_serve(int argc, char **argv) {
     if (!*host) return usage_error("serve", "--host is empty");
     pi0_backend backend;
     if (pi0_backend_from_name(backend_name, &backend)) return usage_error("serve", "unknown backend '%s'", backend_name);
+    if (norm && norm_mode_from_name(norm, &norm_mode)) return usage_error("serve", "--norm takes zscore or quantile");
 
     int last_percent = -1;
     pi0_policy_options popts = {
         .checkpoint = checkpoint, .adapter = adapter, .tokenizer = tokenizer, .norm_stats = norm_stats,
-        .norm_mode = norm_mode, .num_steps = (int)steps,
+        .norm_mode = norm_mode, .num_steps = (int)steps, .horizon = (int)horizon,
         .model = {.backend = backend, .progress = quiet ? NULL : progress_to_stderr, .progress_user = &last_percent},
     };
     pi0_policy *policy;

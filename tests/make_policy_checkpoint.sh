@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# make_policy_checkpoint.sh OUT_DIR - a tiny Pi0 checkpoint that `pi0 infer` and `pi0 serve` open as is:
+# make_policy_checkpoint.sh OUT_DIR [pi0|pi05] - a tiny Pi0 (default) or Pi0.5 checkpoint that `pi0 infer` and
+# `pi0 serve` open as is (Pi0.5: 64 prompt tokens, room for the discrete state):
 #   OUT_DIR/model.safetensors, config.json   random weights (pi0 init) of the pi0_tiny fixture's dims, with a
 #                                            vocabulary of 2000 so that every id of the test tokenizer fits
 #   OUT_DIR/paligemma_tokenizer.model        the fixtures' test SentencePiece model (2000 pieces)
@@ -9,7 +10,8 @@
 # Images are 224x224 (the tiny ViT's 16x16 patches of 14); the policy resizes any camera frame to that.
 # Uses $PI0_BIN (default build/pi0) and $PI0_FIXTURES (default ../shared/fixtures).
 set -euo pipefail
-out=${1:?usage: tests/make_policy_checkpoint.sh OUT_DIR}
+out=${1:?usage: tests/make_policy_checkpoint.sh OUT_DIR [pi0|pi05]}
+model=${2:-pi0}
 bin=${PI0_BIN:-build/pi0}
 fixtures=${PI0_FIXTURES:-../shared/fixtures}
 
@@ -19,7 +21,10 @@ trap 'rm -rf "$tmp"' EXIT
 sed 's/"vocab": *512/"vocab": 2000/' "$fixtures/pi0_tiny/config.json" >"$tmp/dims.json"
 grep -q '"vocab": 2000' "$tmp/dims.json" || { echo "$0: no \"vocab\": 512 in $fixtures/pi0_tiny/config.json" >&2; exit 1; }
 
-"$bin" init --dims "$tmp/dims.json" --output "$out" --seed 7 >/dev/null 2>"$tmp/init.log" ||
+if [ "$model" = pi05 ]; then
+    sed -i 's/"max_token_len": *[0-9]*/"max_token_len": 64/' "$tmp/dims.json"
+fi
+"$bin" init --model "$model" --dims "$tmp/dims.json" --output "$out" --seed 7 >/dev/null 2>"$tmp/init.log" ||
     { cat "$tmp/init.log" >&2; exit 1; }
 cp -f "$fixtures/tokenizer/tok.model" "$out/paligemma_tokenizer.model"
 chmod 644 "$out/paligemma_tokenizer.model"

@@ -398,7 +398,7 @@ def run(workdir, servers):
         client = WebsocketClientPolicy(srv.uri)
         md = client.get_server_metadata()
         client._ws.close()
-        assert md["engine"] == "pi0" and md["adapter"] == "libero", md
+        assert md["engine"] == "pi0" and md["model"] == "pi0" and md["adapter"] == "libero", md
         assert md["action_horizon"] == horizon and md["action_dims"] == 7, md
         assert md["max_batch"] == 8 and md["backend"] == "cpu", md
         return f"{md}"
@@ -441,6 +441,31 @@ def run(workdir, servers):
         return f"actions {a.shape}"
 
     check("DROID (180x320 frames, 224x224 model): actions equal pi0 infer's exactly", t_droid_exact)
+
+    def t_pi05():
+        pi05 = os.path.join(workdir, "pi05")
+        r = subprocess.run(["tests/make_policy_checkpoint.sh", pi05, "pi05"], capture_output=True, text=True,
+                           env={**os.environ, "PI0_BIN": BIN})
+        assert r.returncode == 0, r.stderr[-2000:]
+        notes = []
+        for adapter, make_obs, dims in (("libero", libero_obs, 7), ("droid", droid_obs, 8)):
+            o = make_obs(3)
+            want = reference_actions(workdir, pi05, adapter, o, f"pi05_{adapter}")
+            psrv = Server(workdir, pi05, adapter, "--seed", str(SEED), "--quiet", name=f"pi05_{adapter}")
+            servers.append(psrv)
+            client = WebsocketClientPolicy(psrv.uri)
+            md = client.get_server_metadata()
+            a = client.infer(o)["actions"]
+            client._ws.close()
+            rc, _ = psrv.stop()
+            assert md["model"] == "pi05" and md["adapter"] == adapter and md["action_dims"] == dims, md
+            assert a.shape == want.shape == (md["action_horizon"], dims), f"{a.shape} {want.shape}"
+            assert np.array_equal(a, want), f"{adapter}: differs from pi0 infer by {np.abs(a - want).max():g}"
+            assert rc == 0, f"pi05 {adapter} server exit {rc}: {psrv.stderr()[-1500:]}"
+            notes.append(f"{adapter} {a.shape}")
+        return ", ".join(notes)
+
+    check("Pi0.5 (LIBERO without, DROID with the discrete state): actions equal pi0 infer's exactly", t_pi05)
 
     def t_healthz():
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/healthz", timeout=10) as r:

@@ -60,6 +60,8 @@ static void sample_matches_fixture(const char *name) {
 
 TEST(sample_pi0_tiny) { sample_matches_fixture("pi0_tiny"); }
 TEST(sample_pi0_tiny_h50) { sample_matches_fixture("pi0_tiny_h50"); }
+TEST(sample_pi05_tiny) { sample_matches_fixture("pi05_tiny"); }
+TEST(sample_pi05_tiny_h50) { sample_matches_fixture("pi05_tiny_h50"); }
 
 /* Writes an inputs file from the fixture's io with one tensor replaced (or dropped when data == NULL). */
 static void write_inputs_with(const char *path, const char *replace, st_dtype dtype, int rank, const int64_t *shape,
@@ -133,9 +135,38 @@ TEST(inspect_fixture) {
     CHECK(json_array_size(json_object_get(o, "missing")) == 0);
     json_t *params = json_object_get(o, "params");
     CHECK(json_integer_value(json_object_get(params, "total")) > 0);
+    CHECK(!strcmp(json_string_value(json_object_get(o, "model")), "pi0"));
     json_decref(o);
     char out[1 << 14];
-    CHECK(run_pi0(out, sizeof out, "inspect --checkpoint %s", ckpt) == 0 && strstr(out, "parameters:"));
+    CHECK(run_pi0(out, sizeof out, "inspect --checkpoint %s", ckpt) == 0 && strstr(out, "parameters:") &&
+          strstr(out, "model: Pi0 ("));
+    /* Pi0.5, told from its tensors, and why */
+    snprintf(ckpt, sizeof ckpt, "%s/pi05_tiny", fixtures_dir());
+    o = run_json("inspect --checkpoint %s --json%s", ckpt, "");
+    REQUIRE(o);
+    CHECK(!strcmp(json_string_value(json_object_get(o, "model")), "pi05") &&
+          strstr(json_string_value(json_object_get(o, "model_reason")), "adaptive"));
+    CHECK(json_is_true(json_object_get(o, "loadable")) && json_array_size(json_object_get(o, "unused")) == 0);
+    CHECK(run_pi0(out, sizeof out, "inspect --checkpoint %s", ckpt) == 0 && strstr(out, "model: Pi0.5 ("), "%s", out);
+    json_decref(o);
+}
+
+/* `pi0 init --model pi05` and `pi0 bench --model pi05` on tiny dims; a bad --model is a usage error. */
+TEST(init_and_bench_pi05) {
+    char cfg[1024];
+    snprintf(cfg, sizeof cfg, "%s/pi05_tiny/config.json", fixtures_dir());
+    const char *dir = test_path("init_pi05");
+    CHECK(run_pi0(NULL, 0, "init --model pi05 --dims %s --output %s", cfg, dir) == 0, "%s", last_stderr());
+    json_t *o = run_json("inspect --checkpoint %s --json%s", dir, "");
+    REQUIRE(o);
+    CHECK(!strcmp(json_string_value(json_object_get(o, "model")), "pi05") && json_is_true(json_object_get(o, "loadable")));
+    json_decref(o);
+    o = run_json("bench --model pi05 --dims %s --iters 2 --warmup 0 --prompt-len 30 --horizon 15 --json%s", cfg, "");
+    REQUIRE(o, "bench --model pi05 gave no JSON");
+    CHECK(!strcmp(json_string_value(json_object_get(o, "model")), "pi05") && json_integer_value(json_object_get(o, "horizon")) == 15);
+    json_decref(o);
+    CHECK(run_pi0(NULL, 0, "bench --model pi06") == 2 && strstr(last_stderr(), "pi05"), "%s", last_stderr());
+    CHECK(run_pi0(NULL, 0, "init --output %s --model x", dir) == 2);
 }
 
 TEST(init_then_bench_json) {
@@ -167,8 +198,11 @@ int main(int argc, char **argv) {
     RUN(help_and_exit_codes);
     RUN(sample_pi0_tiny);
     RUN(sample_pi0_tiny_h50);
+    RUN(sample_pi05_tiny);
+    RUN(sample_pi05_tiny_h50);
     RUN(sample_bad_inputs);
     RUN(inspect_fixture);
     RUN(init_then_bench_json);
+    RUN(init_and_bench_pi05);
     return check_finish();
 }
