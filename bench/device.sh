@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs, in one call of the device machine: unpack the carried Debian
 # packages (OpenBLAS, jansson, msgpack-c, libwebsockets), build for sm_90a, run the GPU tests, then the
-# benchmarks. Usage (on the device): bench/device.sh [build|tests|lab|quick|ab|bench|serve|all]; logs go to $OUT (or
-# ./device-out). `ab` times the seed workload and H=50 alternately with this tree and with an older one
+# benchmarks. Usage (on the device): bench/device.sh MODE... with MODE one of build, tests, lab, quick, ab,
+# bench, pi05, serve, all (several run in that order); logs go to $OUT (or ./device-out). `pi05` times
+# Pi0.5 against Pi0 at the same 60-token prompt (H 10 and 15) and a Pi0.5 batch sweep. `ab` times the seed workload and H=50 alternately with this tree and with an older one
 # unpacked in .before/ (here: `rm -rf .before && mkdir .before && git archive COMMIT | tar -x -C .before`,
 # then carry .before): the same-run before/after for changes that have no A/B switch. `serve` times
 # `pi0 serve` on a real-size random checkpoint with openpi's client, whose
@@ -10,7 +11,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}; mkdir -p "$OUT"
-what=${1:-all}
+modes=" ${*:-all} "
+want() { [[ $modes == *" $1 "* || $modes == *" all "* ]]; }
 
 # Carried packages (.deps/*.deb, see README "GPU") unpack into a local prefix.
 export PATH=/usr/local/cuda/bin:$PATH
@@ -33,35 +35,37 @@ make_args=(BLAS_CFLAGS="-I$root/usr/include/x86_64-linux-gnu/openblas-openmp" BL
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 make -j16 "${make_args[@]}" all > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-make -j16 "${make_args[@]}" build/bench/layer_lab $(ls tests/gpu/test_*.c | sed 's#tests/gpu/\(.*\)\.c#build/tests/gpu/\1#') >> "$OUT/build.log" 2>&1 \
+gpu_tests=$(ls tests/gpu/test_*.c | sed 's#tests/gpu/\(.*\)\.c#build/tests/gpu/\1#')
+make -j16 "${make_args[@]}" build/bench/layer_lab $gpu_tests >> "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; exit 1; }
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    PI0_BIN=build/pi0 tests/run.sh build/tests/gpu/test_* 2>&1 | tee "$OUT/test-gpu.log" | grep -E '^(ok|FAIL|broken|[0-9]+ passed)'
+if want tests; then
+    PI0_BIN=build/pi0 PI0_LOG_DIR=build/logs tests/run.sh $gpu_tests 2>&1 | tee "$OUT/test-gpu.log" | grep -E '^(ok|FAIL|broken|[0-9]+ passed)'
+    cat build/logs/test_*.log > "$OUT/test-gpu-stderr.log"   # the errors each check measured
 fi
 # BEFORE="VAR=value" adds a same-run "before" row for the seed workload and H=50 (an A/B knob).
 run() { echo "## ${AB:+$AB }build/pi0 bench $*"; env ${AB:-} build/pi0 bench "$@" --json; }
-if [ "$what" = lab ]; then    # per-kernel cost of one denoise layer in a graph (bench/layer_lab.c)
+if [[ $modes == *" lab "* ]]; then    # per-kernel cost of one denoise layer in a graph (bench/layer_lab.c)
     build/bench/layer_lab | tee "$OUT/lab.txt"
 fi
-if [ "$what" = quick ]; then   # the seed workload and H=50 only (with BEFORE rows): a fast A/B
+if [[ $modes == *" quick "* ]]; then   # the seed workload and H=50 only (with BEFORE rows): a fast A/B
     {
         if [ -n "${BEFORE:-}" ]; then AB=$BEFORE run; AB=$BEFORE run --horizon 50; fi
         run; run --horizon 50
     } > "$OUT/bench.jsonl" 2> "$OUT/bench.err"
     python3 bench/table.py "$OUT/bench.jsonl"
 fi
-if [ "$what" = ab ]; then
+if [[ $modes == *" ab "* ]]; then
     [ -d .before/src ] || { echo "ab: no .before/ tree (see the usage above)"; exit 1; }
     make -C .before -j16 "${make_args[@]}" build/pi0 > "$OUT/build-before.log" 2>&1 || { tail -30 "$OUT/build-before.log"; exit 1; }
     before() { echo "## before: build/pi0 bench $*"; .before/build/pi0 bench "$@" --json; }
     {
         for round in 1 2; do before; run; done
         before --horizon 50; run --horizon 50
-    } > "$OUT/bench.jsonl" 2> "$OUT/bench.err"
-    python3 bench/table.py "$OUT/bench.jsonl"
+    } > "$OUT/ab.jsonl" 2> "$OUT/ab.err"
+    python3 bench/table.py "$OUT/ab.jsonl"
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if want bench; then
     {
         if [ -n "${BEFORE:-}" ]; then AB=$BEFORE run; AB=$BEFORE run --horizon 50; fi
         run                                              # seed workload: B=1, 3 cameras (1 masked), H=10
@@ -71,7 +75,14 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     } > "$OUT/bench.jsonl" 2> "$OUT/bench.err"
     python3 bench/table.py "$OUT/bench.jsonl"
 fi
-if [ "$what" = serve ] || [ "$what" = all ]; then
+if want pi05; then   # Pi0.5 against Pi0 at a realistic discrete-state prompt, then Pi0.5 at batch sizes
+    {
+        for h in 10 15; do run --prompt-len 60 --horizon $h; run --model pi05 --prompt-len 60 --horizon $h; done
+        for b in 1 4 16 64; do run --model pi05 --prompt-len 60 --horizon 15 --batch $b --iters 30 --warmup 5; done
+    } > "$OUT/pi05.jsonl" 2> "$OUT/pi05.err"
+    python3 bench/table.py "$OUT/pi05.jsonl"
+fi
+if want serve; then
     python3 -m pip install -q --no-index --find-links .deps/wheels --target .deps/py --no-deps \
         msgpack websockets typing_extensions openpi-client > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
     export PYTHONPATH=$PWD/.deps/py

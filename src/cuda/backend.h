@@ -81,6 +81,7 @@ typedef struct {
     float *time_bias;      /* Pi0: (steps, We) time half of action_time_mlp_in + folded biases, per step */
     float *mods;           /* Pi0.5: (2 depth + 1 norms, 3, steps, We): each norm's scale, shift, gate per step */
     float *qkv_bias, *gate_up_bias; /* Pi0.5: (depth, steps, n): shift . w^T of the QKV and gate|up Linears */
+    pi0_bf16 *in_scale;    /* Pi0.5: (2 depth, steps, We): bf16(1 + scale) of the layers' norms, for the skinny Linears */
     float *time_emb;       /* Pi0.5: (steps, We) and the time MLP's hidden layer and output, the same size */
     /* activations */
     float *patches, *vit_x, *vision, *x, *suffix, *state_token, *action_tokens;

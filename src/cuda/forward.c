@@ -56,9 +56,11 @@ typedef struct {
 } gemma_rows;
 
 /* What one of Pi0.5's adaptive norms makes of this step's time conditioning (docs/model.md#adaptive-rmsnorm):
- * scale, shift and gate (We each), and shift . w^T of the Linear the norm feeds (the skinny path's bias). */
+ * scale, shift and gate (We each), and for the skinny Linears bf16(1 + scale) and shift . w^T of the Linear the
+ * norm feeds. */
 typedef struct {
     const float *scale, *shift, *gate, *linear_bias;
+    const pi0_bf16 *linear_scale;
 } norm_mod;
 
 /* A block's two norms; NULL for a plain Gemma block (Pi0, and every LLM block). */
@@ -77,7 +79,7 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
     const gemma_buffers *b = r->b;
     const norm_mod none = {0}, *attn = mods ? &mods->attn : &none, *mlp = mods ? &mods->mlp : &none;
     TRY(skinny(&(skinny_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->x_bf16, .w = l->qkv_w, .rms_norm = 1,
-                              .eps = NORM_EPS, .in_scale = attn->scale, .col_bias = attn->linear_bias,
+                              .eps = NORM_EPS, .in_scale = attn->linear_scale, .col_bias = attn->linear_bias,
                               .epilogue = SKINNY_ROPE_QKV, .out = b->qkv, .heads = d->num_heads,
                               .kv_heads = d->num_kv_heads, .head_dim = hd, .positions = r->positions,
                               .cache_rows = r->cache_rows, .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin,
@@ -88,7 +90,7 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
     TRY(skinny(&(skinny_args){.m = r->rows, .n = W, .k = q_dim, .x = b->att, .w = l->o_w, .epilogue = SKINNY_RESIDUAL,
                               .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate}, s->stream, err));
     TRY(skinny(&(skinny_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->x_bf16, .w = l->gate_up_w, .rms_norm = 1,
-                              .eps = NORM_EPS, .in_scale = mlp->scale, .col_bias = mlp->linear_bias,
+                              .eps = NORM_EPS, .in_scale = mlp->linear_scale, .col_bias = mlp->linear_bias,
                               .epilogue = SKINNY_GELU_MUL, .out = b->mlp}, s->stream, err));
     TRY(skinny(&(skinny_args){.m = r->rows, .n = W, .k = d->mlp_dim, .x = b->mlp, .w = l->down_w, .epilogue = SKINNY_RESIDUAL,
                               .residual = r->x, .residual_bf16 = r->x_bf16, .gate = mlp->gate}, s->stream, err));
@@ -205,7 +207,8 @@ static const float *mod_part(const cuda_graph *g, int We, int n, int j, int step
 }
 
 static norm_mod step_norm(const cuda_graph *g, int We, int n, int step, const float *linear_bias) {
-    return (norm_mod){mod_part(g, We, n, 0, step), mod_part(g, We, n, 1, step), mod_part(g, We, n, 2, step), linear_bias};
+    return (norm_mod){mod_part(g, We, n, 0, step), mod_part(g, We, n, 1, step), mod_part(g, We, n, 2, step), linear_bias,
+                      g->in_scale + ((size_t)n * g->shape.num_steps + step) * We};
 }
 
 /* Pi0.5's conditioning of one layer at `step`. */
@@ -289,7 +292,7 @@ static int pi0_time_biases(const pi0_model *m, int steps, float *out) {
  * Pi0.5's conditioning of every step (docs/model.md#conditioning-per-step): it depends on the flow time
  * only, so one row per step serves every sample, and the whole table is a constant of the shape.
  * c = swish(time_mlp_out(swish(time_mlp_in(time_emb(t))))); each adaptive norm's scale, shift and gate
- * = dense(c); and for the skinny Linears, shift . w^T of the QKV and gate|up weights.
+ * = dense(c); and for the skinny Linears, bf16(1 + scale) and shift . w^T of the QKV and gate|up weights.
  */
 static pi0_status pi05_step_constants(cuda_state *s, const pi0_model *m, cuda_graph *g, const float *time_emb_host,
                                       pi0_error *err) {
@@ -309,6 +312,9 @@ static pi0_status pi05_step_constants(cuda_state *s, const pi0_model *m, cuda_gr
             CUDA_TRY(pi0_cuda_linear_small_k((float *)mod_part(g, We, n, j, 0), 0, cond, dense_w + (size_t)j * We * We,
                                              dense_b + (size_t)j * We, steps, We, We, 0, s->stream));
     }
+    for (int n = 0; n < 2 * depth; n++)
+        CUDA_TRY(pi0_cuda_one_plus_bf16(g->in_scale + (size_t)n * steps * We, mod_part(g, We, n, 0, 0), (size_t)steps * We,
+                                        s->stream));
     for (int l = 0; l < depth; l++) {
         CUDA_TRY(pi0_cuda_linear_small_k(g->qkv_bias + (size_t)l * steps * qkv_dim, 0, mod_part(g, We, 2 * l, 1, 0),
                                          w->expert[l].qkv_w, NULL, steps, We, qkv_dim, 0, s->stream));

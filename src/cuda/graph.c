@@ -82,6 +82,7 @@ static void carve_constants(carver *c, cuda_graph *g, const pi0_dims *d) {
     g->qkv_bias = carve(c, (size_t)e->depth * steps * qkv_dim * f);
     g->gate_up_bias = carve(c, (size_t)e->depth * steps * 2 * e->mlp_dim * f);
     g->time_emb = carve(c, 3 * steps * We * f);
+    g->in_scale = carve(c, 2 * (size_t)e->depth * steps * We * sizeof(pi0_bf16));
 }
 
 static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {

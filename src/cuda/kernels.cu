@@ -120,6 +120,11 @@ static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const
         out[j] = __float2bfloat16(x[j] * inv * (w ? 1.0f + w[j] : 1.0f) + (shift ? shift[j] : 0.0f));
 }
 
+static __global__ void one_plus_bf16_kernel(__nv_bfloat16 *out, const float *scale, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16(1.0f + scale[i]);
+}
+
 static __global__ void add_gated_kernel(float *x, const float *y, const float *gate, size_t n, int dim) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         x[i] += gate[i % dim] * y[i];
@@ -265,6 +270,11 @@ cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_r
     if (rows > 0)
         rmsnorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, in_rows, dim, scale, shift, eps,
                                                          norm_in_registers(dim, in, out, scale, shift));
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_one_plus_bf16(pi0_bf16 *out, const float *scale, size_t n, cudaStream_t stream) {
+    if (n) one_plus_bf16_kernel<<<grid_for(n, 256), 256, 0, stream>>>(as_bf16(out), scale, n);
     return cudaGetLastError();
 }
 

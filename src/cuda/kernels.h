@@ -30,6 +30,9 @@ cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows,
 cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *scale,
                                  const float *shift, float eps, cudaStream_t stream);
 
+/* out[i] = bf16(1 + scale[i]) for i < n: an adaptive norm's scale as the skinny Linears take it (skinny.h). */
+cudaError_t pi0_cuda_one_plus_bf16(pi0_bf16 *out, const float *scale, size_t n, cudaStream_t stream);
+
 /* x (rows, dim) += gate * y, gate per column: Pi0.5's gated residual. */
 cudaError_t pi0_cuda_add_gated(float *x, const float *y, const float *gate, int rows, int dim, cudaStream_t stream);
 

@@ -45,7 +45,8 @@ struct SkinnyParams {
     const uint16_t *x, *w;
     int rms_norm;
     float eps;
-    const float *in_scale, *col_bias;
+    const uint16_t *in_scale;
+    const float *col_bias;
     int epilogue;
     uint16_t *out;
     float *residual;
@@ -74,14 +75,13 @@ __device__ __forceinline__ float sum_squares(uint4 v) {
     return s;
 }
 
-/* The 8 bf16 values of v times 1 + scale[0..8), rounded back to bf16 (Pi0.5's adaptive norm scale). */
-__device__ __forceinline__ uint4 scale_bf16x8(uint4 v, const float *scale) {
-    const float4 s0 = __ldg(reinterpret_cast<const float4 *>(scale)), s1 = __ldg(reinterpret_cast<const float4 *>(scale) + 1);
-    v.x = pack_bf16(bf16_lo(v.x) * (1.f + s0.x), bf16_hi(v.x) * (1.f + s0.y));
-    v.y = pack_bf16(bf16_lo(v.y) * (1.f + s0.z), bf16_hi(v.y) * (1.f + s0.w));
-    v.z = pack_bf16(bf16_lo(v.z) * (1.f + s1.x), bf16_hi(v.z) * (1.f + s1.y));
-    v.w = pack_bf16(bf16_lo(v.w) * (1.f + s1.z), bf16_hi(v.w) * (1.f + s1.w));
-    return v;
+/* The 8 bf16 values of v times the 8 bf16 values of s, rounded back to bf16 (Pi0.5's adaptive norm scale). */
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t v, uint32_t s) {
+    return pack_bf16(bf16_lo(v) * bf16_lo(s), bf16_hi(v) * bf16_hi(s));
+}
+
+__device__ __forceinline__ uint4 mul_bf16x8(uint4 v, uint4 s) {
+    return make_uint4(mul_bf16x2(v.x, s.x), mul_bf16x2(v.y, s.y), mul_bf16x2(v.z, s.z), mul_bf16x2(v.w, s.w));
 }
 
 /* The bias of output column n (0 without one). */
@@ -122,7 +122,9 @@ __device__ __forceinline__ float column_total(const float *part, int warps, int 
     return v;
 }
 
-template <int NT, int C>
+/* SCALE: Pi0.5's adaptive scale of x (in_scale) is in use. A template argument, so that the other kernels
+ * carry neither its registers nor its branch in the main loop (col_bias and gate are epilogue-only checks). */
+template <int NT, int C, bool SCALE>
 __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 1) skinny_kernel(SkinnyParams p) {
     constexpr int NC = 8 * NT; /* columns of the block */
     extern __shared__ float smem[];
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
 
     pdl_trigger(); /* the next kernel may start streaming its weights */
     for (int kb = warp * C * 32; kb < p.k; kb += warps * C * 32) {
-        uint4 wv[C][NT], xa[C], xb[C];
+        uint4 wv[C][NT], xa[C], xb[C], sv[SCALE ? C : 1];
 #pragma unroll
         for (int c = 0; c < C; c++) {
             const int k = kb + c * 32 + t * 8;
@@ -160,6 +162,8 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
                 const int n = tile_n[j];
                 wv[c][j] = k < p.k && n < p.n ? load_stream(p.w + (size_t)n * p.k + k) : zero;
             }
+            /* the adaptive scale is a constant of the step, not the previous kernel's output: load it early */
+            if (SCALE) sv[SCALE ? c : 0] = k < p.k ? __ldg(reinterpret_cast<const uint4 *>(p.in_scale + k)) : zero;
         }
         pdl_wait(); /* x is the previous kernel's output (a no-op after the first pass) */
 #pragma unroll
@@ -174,10 +178,9 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
                 ss0 += sum_squares(xa[c]);
                 ss1 += sum_squares(xb[c]);
             }
-            const int k = kb + c * 32 + t * 8;
-            if (p.in_scale && k < p.k) {
-                xa[c] = scale_bf16x8(xa[c], p.in_scale + k);
-                xb[c] = scale_bf16x8(xb[c], p.in_scale + k);
+            if (SCALE) {
+                xa[c] = mul_bf16x8(xa[c], sv[SCALE ? c : 0]);
+                xb[c] = mul_bf16x8(xb[c], sv[SCALE ? c : 0]);
             }
             const uint32_t a_lo[4] = {xa[c].x, xb[c].x, xa[c].y, xb[c].y};
             const uint32_t a_hi[4] = {xa[c].z, xb[c].z, xa[c].w, xb[c].w};
@@ -239,7 +242,7 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
             p.out[(size_t)m * (p.n / 2) + n / 2] = __bfloat16_as_ushort(__float2bfloat16(gelu_tanh(v0) * v1));
         } else {
             const size_t i = (size_t)m * p.n + n;
-            const float r = p.residual[i] + (p.gate ? p.gate[n] : 1.f) * v0;
+            const float r = p.residual[i] + (p.gate ? p.gate[n] * v0 : v0);
             p.residual[i] = r;
             p.residual_bf16[i] = __bfloat16_as_ushort(__float2bfloat16(r));
         }
@@ -249,32 +252,39 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
 /* The block's shape for (n, k), see the design note: warps split k (up to 16, at least 4 chunks of
  * 32 each), NT n8 tiles per block chosen so the grid still has ~128+ blocks, C = 8 chunks per pass
  * when k is long. Registers (at most 128 a thread, so 2 blocks of 8 warps or 1 of 16 fit an SM)
- * bound NT: 4 only with C = 4 and 8 warps, 1 with C = 8. Pi0's expert: QKV (2560 x 1024) NT 2,
+ * bound NT: 4 only with C = 4 and 8 warps, 1 with C = 8; with Pi0.5's adaptive scale (4 more registers a
+ * chunk) NT 2 and C 4 at most. Pi0's expert: QKV (2560 x 1024) NT 2,
  * gate|up (8192 x 1024) NT 4, o_proj (1024 x 2048) NT 1 with 16 warps, down (1024 x 4096) NT 1, C 8. */
 struct Shape {
     int warps, nt, chunks;
 };
 
-Shape choose_shape(int n, int k, int rope) {
+Shape choose_shape(int n, int k, int rope, int scale) {
     Shape s;
     s.warps = k / 128;
     s.warps = s.warps < 1 ? 1 : s.warps > kMaxWarps ? kMaxWarps : s.warps;
-    s.chunks = k > s.warps * 4 * 32 ? 8 : 4;
+    s.chunks = k > s.warps * 4 * 32 && !scale ? 8 : 4;
     const int tiles = (n + 7) / 8;
     s.nt = 1;
-    const int max_nt = s.chunks == 8 ? 1 : s.warps <= 8 ? 4 : 2;
+    /* with the adaptive scale's registers (4 per chunk) NT 4 would spill: at most 2 */
+    const int max_nt = s.chunks == 8 ? 1 : s.warps <= 8 && !scale ? 4 : 2;
     while (s.nt < max_nt && tiles / (2 * s.nt) >= 128) s.nt *= 2;
     if (rope) s.nt = 2, s.chunks = 4; /* a block holds 8 columns of each half of a head */
     return s;
 }
 
-template <int NT, int C>
-cudaError_t launch(const SkinnyParams &p, int warps, cudaStream_t stream) {
+template <int NT, int C, bool SCALE>
+cudaError_t launch_as(const SkinnyParams &p, int warps, cudaStream_t stream) {
     const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 15) / 16));
     const size_t smem = (size_t)warps * 16 * (8 * NT + 1) * sizeof(float);
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = dependent_launch(grid, dim3((unsigned)warps * 32), smem, stream, &attr);
-    return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, C>, p);
+    return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, C, SCALE>, p);
+}
+
+template <int NT, int C>
+cudaError_t launch(const SkinnyParams &p, int warps, cudaStream_t stream) {
+    return p.in_scale ? launch_as<NT, C, true>(p, warps, stream) : launch_as<NT, C, false>(p, warps, stream);
 }
 
 } /* namespace */
@@ -300,11 +310,9 @@ extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t
     const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,
                             a->out, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
                             a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
-    const Shape s = choose_shape(a->n, a->k, a->epilogue == SKINNY_ROPE_QKV);
-    if (s.chunks == 8) return launch<1, 8>(p, s.warps, stream);
-    switch (s.nt) {
-    case 1: return launch<1, 4>(p, s.warps, stream);
-    case 2: return launch<2, 4>(p, s.warps, stream);
-    default: return launch<4, 4>(p, s.warps, stream);
-    }
+    const Shape s = choose_shape(a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL);
+    /* C 8 and NT 4 never come with in_scale (choose_shape), so only NT 1 and 2 have both variants */
+    if (s.chunks == 8) return launch_as<1, 8, false>(p, s.warps, stream);
+    if (s.nt == 4) return launch_as<4, 4, false>(p, s.warps, stream);
+    return s.nt == 1 ? launch<1, 4>(p, s.warps, stream) : launch<2, 4>(p, s.warps, stream);
 }

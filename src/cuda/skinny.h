@@ -7,7 +7,7 @@
  * folded into w at load (PI0_SPEC §4) and the per-row factor commutes with the product, so the norm
  * needs no kernel of its own and no extra pass over x. Pi0.5's adaptive norm, x * r * (1 + scale) + shift
  * with a per-step scale and shift (docs/model.md#adaptive-rmsnorm), is the same product with x scaled by
- * (1 + in_scale) column by column before the multiply, and shift . w^T (col_bias, one float per output
+ * in_scale = bf16(1 + scale) column by column before the multiply, and shift . w^T (col_bias, one float per output
  * column, computed once per shape) added after the row factor. Epilogues:
  *   SKINNY_STORE     out (m, n) bf16
  *   SKINNY_GELU_MUL  out (m, n / 2) bf16 = gelu_tanh(gate) * up, w's rows interleaved (gate_j, up_j)
@@ -42,7 +42,7 @@ typedef struct {
     const pi0_bf16 *x, *w;
     int rms_norm;
     float eps;
-    const float *in_scale;   /* (k) x is multiplied by 1 + in_scale before the product; NULL: not */
+    const pi0_bf16 *in_scale; /* (k) bf16 of 1 + scale: x is multiplied by it before the product; NULL: not */
     const float *col_bias;   /* (n) added to the result after the row factor; NULL: none */
     int epilogue;
     pi0_bf16 *out;           /* STORE, GELU_MUL, ROPE_QKV */

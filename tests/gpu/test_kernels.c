@@ -108,6 +108,17 @@ static void rmsnorm_mod_case(int dim) {
     CUDA_OK(cudaDeviceSynchronize());
     float *sum = download_f32(dx, n);
     CHECK(rel_error(sum, want, n) <= 1e-6, "gated add, dim %d: %.3g", dim, rel_error(sum, want, n));
+    /* bf16(1 + scale), the skinny Linears' form of it */
+    pi0_bf16 *dplus = dev_poisoned((size_t)dim * 2);
+    CUDA_OK(pi0_cuda_one_plus_bf16(dplus, dscale, (size_t)dim, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    uint16_t *plus = malloc((size_t)dim * 2);
+    CUDA_OK(cudaMemcpy(plus, dplus, (size_t)dim * 2, cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (int i = 0; i < dim; i++) bad += plus[i] != bf16_bits(1.0f + scale[i]);
+    CHECK(bad == 0, "one_plus_bf16, dim %d: %d values differ", dim, bad);
+    free(plus);
+    cudaFree(dplus);
     free(x), free(scale), free(shift), free(ref), free(got), free(y), free(gate), free(want), free(sum);
     cudaFree(dx), cudaFree(dscale), cudaFree(dshift), cudaFree(dmap), cudaFree(dout), cudaFree(dy), cudaFree(dgate);
 }

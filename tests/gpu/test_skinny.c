@@ -18,9 +18,11 @@ typedef struct {
     int adaptive; /* Pi0.5: in_scale and col_bias (STORE, GELU_MUL), or a gate (RESIDUAL) */
 } skinny_case;
 
-/* The adaptive inputs of a case: 1 + scale per k, a bias and a gate per column (NULL when not used). */
+/* The adaptive inputs of a case: bf16(1 + scale) per k (what the kernel takes), a bias and a gate per column
+ * (NULL when not used). */
 typedef struct {
-    float *scale, *bias, *gate;
+    uint16_t *scale;
+    float *bias, *gate;
 } adaptive_inputs;
 
 static adaptive_inputs adaptive_draw(int adaptive, int epilogue, int n, int k) {
@@ -30,7 +32,11 @@ static adaptive_inputs adaptive_draw(int adaptive, int epilogue, int n, int k) {
         fill_uniform(a.gate = malloc((size_t)n * 4), n, 1.5f);
         return a;
     }
-    fill_uniform(a.scale = malloc((size_t)k * 4), k, 0.8f);
+    float *scale = malloc((size_t)k * 4);
+    fill_uniform(scale, k, 0.8f);
+    a.scale = malloc((size_t)k * 2);
+    for (int t = 0; t < k; t++) a.scale[t] = bf16_bits(1.0f + scale[t]);
+    free(scale);
     fill_uniform(a.bias = malloc((size_t)n * 4), n, 1.0f);
     return a;
 }
@@ -41,7 +47,7 @@ static void adaptive_free(adaptive_inputs *a) {
 
 /* x[i, t] (1 + scale[t]) for the oracle, in double. */
 static double scaled_x(const float *x, const adaptive_inputs *a, int k, int i, int t) {
-    return (double)x[(size_t)i * k + t] * (a->scale ? 1.0 + a->scale[t] : 1.0);
+    return (double)x[(size_t)i * k + t] * (a->scale ? bf16_value(a->scale[t]) : 1.0);
 }
 
 static int poisoned_bf16(const uint16_t *h, size_t n) {
@@ -81,8 +87,8 @@ static void run_case(skinny_case c) {
     pi0_bf16 *dx = dev_upload(xb, (size_t)m * k * 2), *dw = dev_upload(wb, (size_t)n * k * 2);
     pi0_bf16 *dout = dev_poisoned((out_n + GUARD) * 2), *dres_bf16 = dev_poisoned(((size_t)m * n + GUARD) * 2);
     float *dres = dev_upload(NULL, ((size_t)m * n + GUARD) * 4);
-    float *dscale = ad.scale ? dev_upload(ad.scale, (size_t)k * 4) : NULL, *dbias = ad.bias ? dev_upload(ad.bias, (size_t)n * 4) : NULL;
-    float *dgate = ad.gate ? dev_upload(ad.gate, (size_t)n * 4) : NULL;
+    pi0_bf16 *dscale = ad.scale ? dev_upload(ad.scale, (size_t)k * 2) : NULL;
+    float *dbias = ad.bias ? dev_upload(ad.bias, (size_t)n * 4) : NULL, *dgate = ad.gate ? dev_upload(ad.gate, (size_t)n * 4) : NULL;
     REQUIRE(dx && dw && dout && dres_bf16 && dres, "device allocation");
     skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = c.rms_norm, .eps = 1e-6f, .in_scale = dscale,
                      .col_bias = dbias, .epilogue = c.epilogue, .out = dout, .residual = dres, .residual_bf16 = dres_bf16,
@@ -196,7 +202,8 @@ static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_nor
     int *dpos = dev_upload(pos, sizeof(int) * m), *drows = dev_upload(rows, sizeof(int) * m);
     float *dcos = dev_upload(table.cos, sizeof(float) * max_pos * (hd / 2));
     float *dsin = dev_upload(table.sin, sizeof(float) * max_pos * (hd / 2));
-    float *dscale = ad.scale ? dev_upload(ad.scale, (size_t)k * 4) : NULL, *dbias = ad.bias ? dev_upload(ad.bias, (size_t)n * 4) : NULL;
+    pi0_bf16 *dscale = ad.scale ? dev_upload(ad.scale, (size_t)k * 2) : NULL;
+    float *dbias = ad.bias ? dev_upload(ad.bias, (size_t)n * 4) : NULL;
     REQUIRE(dx && dw && dout && dk && dv && dpos && drows && dcos && dsin, "device allocation");
     skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = rms_norm, .eps = 1e-6f, .in_scale = dscale,
                      .col_bias = dbias, .epilogue = SKINNY_ROPE_QKV, .out = dout, .heads = heads, .kv_heads = kv_heads, .head_dim = hd,
@@ -265,7 +272,7 @@ TEST(refuses_what_it_cannot_run) {
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "k not a multiple of 8 accepted");
     bad = ok, bad.x = buf + 1;
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "misaligned x accepted");
-    bad = ok, bad.in_scale = res + 1;
+    bad = ok, bad.in_scale = buf + 1;
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "misaligned in_scale accepted");
     bad = ok, bad.epilogue = SKINNY_GELU_MUL, bad.n = 15;
     CHECK(pi0_cuda_skinny_linear(&bad, 0) == cudaErrorInvalidValue, "odd n with gelu x up accepted");
