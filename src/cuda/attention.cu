@@ -41,7 +41,7 @@
  * the 128 of the O accumulator and spill).
  *
  * Trade-offs and what is left on the table: (1) mma.sync rather than Hopper's wgmma/TMA: portable to
- * sm_80..sm_90 and simple; attention is a small share of the inference (DESIGN.md), so well under the
+ * sm_80..sm_90 and simple; attention is a small share of the inference (docs/performance.md), so well under the
  * wgmma peak is acceptable for now. (2) The key split is capped at 16 (a non-portable cluster,
  * sm_90); a batch-1 denoise step walks at most one tile per block. (3) Unaligned pointers or leading dimensions (not
  * multiples of 8 elements) take a correct but slow scalar copy path instead of cp.async. (4) P is

@@ -4,7 +4,7 @@
  *
  * x is bf16 with row stride k; w keeps PyTorch's (out, in) layout. The row scale is 1, or with
  * rms_norm the RMSNorm factor 1 / sqrt(mean_k x^2 + eps) of the row: RMSNorm's (1 + weight) is
- * folded into w at load (PI0_SPEC §4) and the per-row factor commutes with the product, so the norm
+ * folded into w at load (docs/model.md#rmsnorm-folding) and the per-row factor commutes with the product, so the norm
  * needs no kernel of its own and no extra pass over x. Pi0.5's adaptive norm, x * r * (1 + scale) + shift
  * with a per-step scale and shift (docs/model.md#adaptive-rmsnorm), is the same product with x scaled by
  * in_scale = bf16(1 + scale) column by column before the multiply, and shift . w^T (col_bias, one float per output

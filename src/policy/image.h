@@ -1,7 +1,7 @@
 /*
  * image.h - camera image preprocessing, bit-for-bit like openpi's policy transforms.
  *
- * openpi turns a camera frame into model input in three steps (PI0_SPEC.md section 6):
+ * openpi turns a camera frame into model input in three steps (docs/policy.md#images):
  *   1. the robot's input transform (e.g. libero_policy._parse_image): float -> uint8 by
  *      `(255 * img).astype(np.uint8)`, then CHW -> HWC;
  *   2. transforms.ResizeImages: openpi_client.image_tools.resize_with_pad (Pillow bilinear resize that

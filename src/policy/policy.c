@@ -1,5 +1,5 @@
 /*
- * policy.c - openpi's Policy.infer (PI0_SPEC section 6) around pi0_sample_actions.
+ * policy.c - openpi's Policy.infer (docs/policy.md) around pi0_sample_actions.
  *
  * Per observation, in openpi's order: the robot's input transform (adapter: which key is which camera,
  * which keys make the state), Normalize (state), InjectDefaultPrompt, ResizeImages + the [-1, 1] scaling

@@ -43,7 +43,7 @@ pi0_status pi0_tokenizer_encode(const pi0_tokenizer *tok, const char *text, size
 /* The piece string of an id (NUL-terminated, for debugging and tests), or NULL if out of range. */
 const char *pi0_tokenizer_piece(const pi0_tokenizer *tok, int id);
 
-/* Pi0's prompt formatting (openpi PaligemmaTokenizer, PI0_SPEC §6 step 3):
+/* Pi0's prompt formatting (openpi PaligemmaTokenizer, docs/policy.md#pi0-prompt-format):
  *   clean  = prompt.strip().replace("_", " ").replace("\n", " ")
  *   tokens = [BOS] + encode(clean) + encode("\n")
  * then padded with id 0 / mask 0 up to `max_len`, or truncated to `max_len`. `ids` and `mask` hold
@@ -58,7 +58,7 @@ pi0_status pi0_tokenize_prompt(const pi0_tokenizer *tok, const char *prompt, int
                                int32_t *ids, uint8_t *mask, int *num_valid, pi0_error *err);
 
 /* Pi0.5's prompt format with the state written into it (openpi PaligemmaTokenizer.tokenize(prompt,
- * state), PI0_SPEC §8; used when the model config's discrete_state_input is on):
+ * state), docs/policy.md#discrete-state; used when the model config's discrete_state_input is on):
  *   text   = "Task: " + clean + ", State: " + " ".join(str(b) for b in bins) + ";\nAction: "
  *   tokens = [BOS] + encode(text)
  * with `clean` as in pi0_tokenize_prompt and bins[i] = pi0_state_bin(state[i]); then padded or

@@ -1,5 +1,5 @@
 /*
- * server.h - openpi's websocket policy server (PI0_SPEC section 7), with request batching.
+ * server.h - openpi's websocket policy server (docs/protocol.md), with request batching.
  *
  * One network thread (libwebsockets) accepts clients, sends each the metadata frame, reads requests and
  * writes replies; one inference thread owns the policy. Requests that arrive together are decoded and

@@ -147,6 +147,84 @@ static void fixture_by_sample(const char *name) {
 TEST(fixture_pi0_tiny_by_sample) { fixture_by_sample("pi0_tiny"); }
 TEST(fixture_pi05_tiny_by_sample) { fixture_by_sample("pi05_tiny"); }
 
+static float *bf16_to_floats(const uint16_t *h, size_t n) {
+    float *out = malloc(n * sizeof(float) + 1);
+    for (size_t i = 0; i < n; i++) out[i] = bf16_value(h[i]);
+    return out;
+}
+
+/* The vision tokens and the K/V cache rows of the valid prefix tokens, read out of the graph's device block
+ * after a call (a white-box look at graph.c's buffers: backend.h), against openpi's fp32 intermediates at
+ * the bf16 tolerance. */
+static void fixture_intermediates(const char *name) {
+    fixture_io f;
+    REQUIRE(io_open(&f, name) == 0);
+    pi0_model *m = load(name, PI0_BACKEND_CUDA);
+    REQUIRE(m);
+    const pi0_dims *d = pi0_model_dims(m);
+    float *actions = malloc(actions_len(&f.batch) * sizeof(float));
+    pi0_error err = {0};
+    f.batch.num_steps = 1;
+    REQUIRE(pi0_sample_actions(m, &f.batch, actions, NULL, &err) == PI0_OK, "%s", err.message);
+    pi0_plan plan;
+    REQUIRE(plan_build(d, &f.batch, &plan, &err) == PI0_OK, "%s", err.message);
+    const cuda_state *s = m->backend_state;
+    const cuda_graph *g = s->graphs[0];
+    REQUIRE(g && g->shape.batch == plan.batch && g->shape.total_prefix == plan.total_prefix, "no graph of this shape");
+    int P = (d->image_size / d->patch_size) * (d->image_size / d->patch_size), D = d->llm.width, B = plan.batch;
+    int kv = d->llm.num_kv_heads * d->llm.head_dim;
+
+    float *vision = malloc((size_t)plan.num_images * P * D * sizeof(float));
+    CUDA_OK(cudaMemcpy(vision, g->vision, (size_t)plan.num_images * P * D * sizeof(float), cudaMemcpyDeviceToHost));
+    int image = 0;
+    double worst_vision = 0;
+    for (int b = 0; b < B; b++)
+        for (int c = 0; c < 3; c++) {
+            if (!f.masks[b * 3 + c]) continue;
+            char key[64];
+            snprintf(key, sizeof key, "vision_tokens/%s", cameras[c]);
+            float *ref = f32_of(st_find(&f.io, key));
+            worst_vision = fmax(worst_vision, rel_error(vision + (size_t)image++ * P * D, ref + (size_t)b * P * D, (size_t)P * D));
+            free(ref);
+        }
+    CHECK(worst_vision <= TOL_BF16, "%s vision tokens: %.3g", name, worst_vision);
+
+    const st_tensor *kt = st_find(&f.io, "kv_k"), *vt = st_find(&f.io, "kv_v"), *mt = st_find(&f.io, "prefix_mask");
+    float *kref = f32_of(kt), *vref = f32_of(vt);
+    const uint8_t *prefix_mask = mt->data;
+    int Ppad = (int)kt->shape[2];
+    size_t layer_elems = (size_t)plan.cache_rows * kv;
+    uint16_t *bits = malloc(layer_elems * 2 * sizeof(uint16_t));
+    double worst_kv = 0;
+    for (int l = 0; l < d->llm.depth; l++) {
+        CUDA_OK(cudaMemcpy(bits, g->cache_k + l * layer_elems, layer_elems * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(bits + layer_elems, g->cache_v + l * layer_elems, layer_elems * 2, cudaMemcpyDeviceToHost));
+        float *kmine = bf16_to_floats(bits, layer_elems), *vmine = bf16_to_floats(bits + layer_elems, layer_elems);
+        float *kg = malloc((size_t)plan.total_prefix * kv * 4), *vg = malloc((size_t)plan.total_prefix * kv * 4);
+        float *km = malloc((size_t)plan.total_prefix * kv * 4), *vm = malloc((size_t)plan.total_prefix * kv * 4);
+        size_t valid = 0;
+        for (int b = 0; b < B; b++)
+            for (int p = 0, row = 0; p < Ppad; p++) {
+                if (!prefix_mask[(size_t)b * Ppad + p]) continue;
+                size_t gold = (((size_t)l * B + b) * Ppad + p) * kv, mine = (size_t)(plan.cache_start[b] + row++) * kv;
+                memcpy(kg + valid * kv, kref + gold, kv * 4), memcpy(vg + valid * kv, vref + gold, kv * 4);
+                memcpy(km + valid * kv, kmine + mine, kv * 4), memcpy(vm + valid * kv, vmine + mine, kv * 4);
+                valid++;
+            }
+        worst_kv = fmax(worst_kv, fmax(rel_error(km, kg, valid * kv), rel_error(vm, vg, valid * kv)));
+        free(kmine), free(vmine), free(kg), free(vg), free(km), free(vm);
+    }
+    fprintf(stderr, "  %s intermediates: vision tokens %.3g, K/V rows %.3g\n", name, worst_vision, worst_kv);
+    CHECK(worst_kv <= TOL_BF16, "%s K/V rows: %.3g", name, worst_kv);
+    free(bits), free(kref), free(vref), free(vision), free(actions);
+    plan_free(&plan);
+    pi0_model_free(m);
+    io_close(&f);
+}
+
+TEST(fixture_pi0_tiny_intermediates) { fixture_intermediates("pi0_tiny"); }
+TEST(fixture_pi05_tiny_intermediates) { fixture_intermediates("pi05_tiny"); }
+
 /* A B = 5 batch with every mask pattern and prompt length, against the CPU backend per sample. */
 TEST(ragged_batch_matches_cpu) {
     fixture_io f;
@@ -341,6 +419,8 @@ int main(int argc, char **argv) {
     RUN(fixture_pi05_tiny_h50);
     RUN(fixture_pi0_tiny_by_sample);
     RUN(fixture_pi05_tiny_by_sample);
+    RUN(fixture_pi0_tiny_intermediates);
+    RUN(fixture_pi05_tiny_intermediates);
     RUN(ragged_batch_matches_cpu);
     RUN(single_sample_matches_cpu);
     RUN(graph_replay_equals_eager_and_repeats);
