@@ -12,7 +12,8 @@ model (PI0_SPEC.md; fixtures/README.md). Checks:
   - the tree, not the path, says what the model is; Pi0-FAST, unknown and unpaired LoRA params are refused;
     LoRA of a rank that is no openpi variant needs --lora-alpha;
   - corrupt or truncated params/ (a chunk file, the manifest, a B-tree node, _METADATA) exit 1 with one line,
-    leaving no model.safetensors; a missing tensorstore gives the pip command; bad command lines exit 2.
+    leaving no model.safetensors; a missing tensorstore gives the pip command; bad command lines exit 2;
+  - `pi0` finds the script beside it when installed (PREFIX/share/pi0) or in $PI0_TOOLS_DIR.
 Prints one line per check and a final "N passed, N failed" (", N skipped" when any were skipped).
 Needs numpy and tensorstore (make deps) and build/pi0 ($PI0_BIN).
 """
@@ -305,6 +306,19 @@ def main():
         run = pi0("convert", "--help")
         assert run.returncode == 0 and run.stdout.startswith("usage: pi0 convert SRC DST"), run
 
+    def t_script_lookup():
+        prefix = os.path.join(WORK, "prefix")  # what `make install` lays out: PREFIX/bin/pi0, PREFIX/share/pi0/
+        os.makedirs(os.path.join(prefix, "bin"))
+        os.makedirs(os.path.join(prefix, "share", "pi0"))
+        shutil.copy(BIN, os.path.join(prefix, "bin", "pi0"))
+        shutil.copy(os.path.join(REPO, "tools", "convert_openpi.py"), os.path.join(prefix, "share", "pi0"))
+        installed = subprocess.run([os.path.join(prefix, "bin", "pi0"), "convert", "--help"], capture_output=True,
+                                   text=True)
+        assert installed.returncode == 0 and installed.stdout.startswith("usage: pi0 convert"), installed
+        env = dict(os.environ, PI0_TOOLS_DIR=os.path.join(WORK, "nowhere"))
+        missing = r"^pi0 convert: error: no .*/nowhere/convert_openpi.py \(PI0_TOOLS_DIR\)$"
+        expect_error(("convert", "--help"), 1, missing, env=env)
+
     def t_existing_output():
         expect_error(("convert", os.path.join(JAX, "pi0_tiny_openpi_jax"), out("pi0")), 1,
                      r"exists \(--force replaces it\)")
@@ -342,6 +356,7 @@ def main():
     check("missing tensorstore: the pip command", t_missing_tensorstore)
     check("command-line errors exit 2, --help", t_usage)
     check("an existing model.safetensors needs --force", t_existing_output)
+    check("the script is found beside an installed pi0, or in $PI0_TOOLS_DIR", t_script_lookup)
 
     shutil.rmtree(WORK, ignore_errors=True)
     summary = f"{counts['passed']} passed, {counts['failed']} failed"
