@@ -679,16 +679,19 @@ def config_json(kind, dims, args, lora):
 
 
 def copy_assets(assets_dir, dst):
-    """Copies SRC's assets/ (norm_stats.json per asset id) to DST/assets, replacing it; returns the asset ids."""
+    """Copies SRC's assets/ to DST/assets, replacing it; returns the asset ids, the directories holding a
+    norm_stats.json (openpi's ids may contain '/', e.g. physical-intelligence/libero)."""
     target = os.path.join(dst, "assets")
     shutil.rmtree(target, ignore_errors=True)
-    if not os.path.isdir(assets_dir):
-        return []
+    ids = []
     for root, _, files in os.walk(assets_dir):  # files only, not their modes: a read-only source stays replaceable
-        os.makedirs(os.path.join(target, os.path.relpath(root, assets_dir)), exist_ok=True)
+        relative = os.path.relpath(root, assets_dir)
+        os.makedirs(os.path.join(target, relative), exist_ok=True)
         for name in files:
-            shutil.copyfile(os.path.join(root, name), os.path.join(target, os.path.relpath(root, assets_dir), name))
-    return sorted(d for d in os.listdir(target) if os.path.isdir(os.path.join(target, d)))
+            shutil.copyfile(os.path.join(root, name), os.path.join(target, relative, name))
+        if "norm_stats.json" in files:
+            ids.append(relative)
+    return sorted(ids)
 
 
 def write_json(path, obj):
@@ -776,7 +779,7 @@ def print_summary(s):
         f"{'lora':<10} {format_lora(s['lora'], s['rslora'])}",
         f"{'config':<10} action_horizon {s['action_horizon']}{default('action_horizon')}, "
         f"max_token_len {s['max_token_len']}{default('max_token_len')}",
-        f"{'assets':<10} {', '.join(s['assets']) or 'none (pi0 infer and serve will need --norm-stats)'}",
+        f"{'assets':<10} {', '.join(s['assets']) or 'no norm_stats.json (pi0 infer and serve will need --norm-stats)'}",
         f"{'time':<10} convert {s['seconds']['convert']:.1f} s, verify {s['seconds']['verify']:.1f} s, "
         f"peak memory {size_text(s['peak_memory_bytes'])}",
     ]
