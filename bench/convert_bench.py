@@ -18,6 +18,7 @@ The real size takes ~13 GB of disk and ~30 GB of memory with float32 source para
 --lora adds the LoRA params of openpi's gemma_2b_lora / gemma_300m_lora (ranks 16 and 32).
 """
 import argparse
+import copy
 import json
 import multiprocessing
 import os
@@ -190,12 +191,13 @@ def main():
     p.add_argument("--lora", action="store_true", help="add openpi's gemma_2b_lora / gemma_300m_lora params")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: delete them after timing)")
     args = p.parse_args()
-    dims = TINY if args.tiny else REAL
+    dims = copy.deepcopy(TINY if args.tiny else REAL)
     for stack in ("vision", "llm", "expert"):
         dims[stack]["depth"] = args.depth or dims[stack]["depth"]
     source_dtype = np.float32 if args.source_dtype == "f32" else ts.bfloat16.numpy_dtype
-    # At tiny dims the LoRA ranks are not openpi's variants', so their alphas must be given (= rank, as openpi's).
-    extra = ["--lora-alpha", "llm=16,expert=32"] if args.lora and args.tiny else []
+    # Other than at the real dims the stacks are none of openpi's LoRA variants, so the alphas must be given
+    # (= rank, as the variants have); at the real dims pi0 convert must infer them.
+    extra = ["--lora-alpha", "llm=16,expert=32"] if args.lora and dims != REAL else []
     results = []
     for kind in (("pi0", "pi05") if args.model == "both" else (args.model,)):
         # in a process of its own: a child inherits its parent's peak RSS (Linux keeps it across fork and exec),
