@@ -10,7 +10,8 @@ model (PI0_SPEC.md; fixtures/README.md). Checks:
     1e-4 (Pi0.5: skipped while `pi0 inspect` says the engine does not run it); the LoRA fine-tune, merged,
     reproduces its own io.safetensors;
   - the tree, not the path, says what the model is; Pi0-FAST, unknown and unpaired LoRA params are refused;
-    LoRA of a rank that is no openpi variant needs --lora-alpha;
+    LoRA of a rank that is no openpi variant needs --lora-alpha (openpi's variants imply alpha = rank);
+    --rslora scales by alpha/sqrt(rank);
   - corrupt or truncated params/ (a chunk file, the manifest, a B-tree node, _METADATA) exit 1 with one line,
     leaving no model.safetensors; a missing tensorstore gives the pip command; bad command lines exit 2;
   - `pi0` finds the script beside it when installed (PREFIX/share/pi0) or in $PI0_TOOLS_DIR.
@@ -229,6 +230,26 @@ def main():
         assert s["lora"] == want, s["lora"]
         return "llm rank 4 alpha 8, expert rank 2 alpha 2, MLP LoRA unscaled"
 
+    def t_rslora():
+        # alpha/sqrt(rank) with these alphas gives the scales 2 and 1 of the fixture's alpha/rank: the same file
+        s = convert(lora_src, out("rslora"), "--dtype", "f32", "--rslora", "--lora-alpha", f"llm=4,expert={2 ** 0.5!r}")
+        assert s["rslora"] and (s["lora"]["llm"]["scale"], s["lora"]["expert"]["scale"]) == (2.0, 1.0), s["lora"]
+        same_bytes(out("rslora/model.safetensors"), out("lora/model.safetensors"))
+
+    def t_variant_alphas():
+        # at the real dims, which the tiny fixtures cannot have: the script's own function, imported
+        sys.path.insert(0, os.path.join(REPO, "tools"))
+        import convert_openpi as c
+        g2b = dict(width=2048, depth=18, mlp_dim=16384, num_heads=8, num_kv_heads=1, head_dim=256)
+        g300m = dict(g2b, width=1024, mlp_dim=4096)
+        assert c.default_alpha("llm", g2b, 16) == 16.0 and c.default_alpha("expert", g300m, 32) == 32.0
+        for stack, dims, rank in (("llm", g2b, 32), ("expert", g300m, 16), ("llm", dict(g2b, depth=17), 16)):
+            try:
+                c.default_alpha(stack, dims, rank)
+            except c.ConvertError:
+                continue
+            raise AssertionError(f"default alpha for {stack} rank {rank} {dims}")
+
     def t_lora_sample(steps, reference):
         return lambda: sample_error(out("lora"), lora_io, steps, reference)
 
@@ -338,6 +359,8 @@ def main():
     check("convert the LoRA fine-tune, merged", t_lora_convert)
     for steps, ref in ((10, "actions"), (1, "actions_1step")):
         check(f"pi0 sample on the merged LoRA fine-tune, {steps} steps", t_lora_sample(steps, ref))
+    check("--rslora scales by alpha/sqrt(rank)", t_rslora)
+    check("gemma_2b_lora (rank 16) and gemma_300m_lora (rank 32) imply alpha = rank, nothing else", t_variant_alphas)
     check("SRC may be params/ itself", t_params_dir_as_src)
     check("a Pi0 tree in a directory named pi05_x is Pi0", t_path_name_trick)
     check("Pi0-FAST refused", t_pi0_fast_refused)

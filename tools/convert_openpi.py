@@ -756,8 +756,10 @@ def format_lora(lora, rslora):
     if not lora:
         return "none"
     parts = []
-    for stack, e in sorted(lora.items()):
-        attn = (f"attention rank {e['rank']} alpha {e['alpha']:g} (x{e['scale']:g}{', rsLoRA' if rslora else ''})"
+    for stack in [s for s in ("llm", "expert") if s in lora]:
+        e = lora[stack]
+        rule = "alpha/sqrt(rank)" if rslora else "alpha/rank"
+        attn = (f"attention rank {e['rank']} alpha {e['alpha']:g} (scale {rule} = {e['scale']:g})"
                 if "rank" in e else "no attention LoRA")
         mlp = f"mlp rank {e['mlp_rank']} unscaled" if e["mlp_rank"] else "no mlp LoRA"
         parts.append(f"{stack} {attn}, {mlp}")
