@@ -7,15 +7,14 @@ model (PI0_SPEC.md; fixtures/README.md). Checks:
     pi05_tiny_h50 (bfloat16, nnx.State tree) to exactly pi05_tiny_h50/model.safetensors; float32 params
     stored as bf16 are the round-to-nearest-even of the fixture's; config.json carries the fixture's dims;
   - the converted checkpoints run: `pi0 sample` reproduces openpi's actions at 10, 3 and 1 steps within
-    1e-4 (Pi0.5: skipped while `pi0 inspect` says the engine does not run it); the LoRA fine-tune, merged,
-    reproduces its own io.safetensors;
+    1e-4 (Pi0 and Pi0.5); the LoRA fine-tune, merged, reproduces its own io.safetensors;
   - the tree, not the path, says what the model is; Pi0-FAST, unknown and unpaired LoRA params are refused;
     LoRA of a rank that is no openpi variant needs --lora-alpha (openpi's variants imply alpha = rank);
     --rslora scales by alpha/sqrt(rank);
   - corrupt or truncated params/ (a chunk file, the manifest, a B-tree node, _METADATA) exit 1 with one line,
     leaving no model.safetensors; a missing tensorstore gives the pip command; bad command lines exit 2;
   - `pi0` finds the script beside it when installed (PREFIX/share/pi0) or in $PI0_TOOLS_DIR.
-Prints one line per check and a final "N passed, N failed" (", N skipped" when any were skipped).
+Prints one line per check and a final "N passed, N failed".
 Needs numpy and tensorstore (make deps) and build/pi0 ($PI0_BIN).
 """
 import json
@@ -35,11 +34,7 @@ FIXTURES = os.path.abspath(os.environ.get("PI0_FIXTURES", os.path.join(REPO, "..
 JAX = os.path.join(FIXTURES, "openpi_jax")
 TOLERANCE = 1e-4  # fp32 engine vs openpi's fp32 actions (fixtures/README.md)
 
-counts = {"passed": 0, "failed": 0, "skipped": 0}
-
-
-class Skip(Exception):
-    pass
+counts = {"passed": 0, "failed": 0}
 
 
 def check(name, fn):
@@ -48,9 +43,6 @@ def check(name, fn):
         note = fn()
         counts["passed"] += 1
         print(f"ok   {name} ({time.monotonic() - t0:.1f} s){': ' + note if note else ''}", flush=True)
-    except Skip as e:
-        counts["skipped"] += 1
-        print(f"skip {name}: {e}", flush=True)
     except Exception as e:  # noqa: BLE001 - every failure is reported, then the next check runs
         counts["failed"] += 1
         print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
@@ -209,15 +201,15 @@ def main():
     def t_pi0_sample(steps, reference):
         return lambda: sample_error(out("pi0"), os.path.join(pi0_fixture, "io.safetensors"), steps, reference)
 
+    def t_pi05_convert():
+        s = convert(os.path.join(JAX, "pi05_tiny_h50_openpi_jax"), out("pi05"), "--dtype", "f32")
+        inspect = pi0("inspect", "--checkpoint", out("pi05"), "--json")
+        assert inspect.returncode == 0, inspect.stderr
+        engine = json.loads(inspect.stdout)["model"]
+        assert s["model"] == engine == "pi05", (s["model"], engine)
+
     def t_pi05_sample(steps, reference):
-        def run():
-            if not os.path.exists(out("pi05/model.safetensors")):
-                convert(os.path.join(JAX, "pi05_tiny_h50_openpi_jax"), out("pi05"), "--dtype", "f32")
-            inspect = pi0("inspect", "--checkpoint", out("pi05"))
-            if inspect.returncode and re.search(r"pi0\.5|pi05|time_mlp", inspect.stdout + inspect.stderr, re.I):
-                raise Skip("the engine does not run Pi0.5 yet (pi0 inspect refuses the converted checkpoint)")
-            return sample_error(out("pi05"), os.path.join(pi05_fixture, "io.safetensors"), steps, reference)
-        return run
+        return lambda: sample_error(out("pi05"), os.path.join(pi05_fixture, "io.safetensors"), steps, reference)
 
     def t_lora_needs_alpha():
         expect_error(("convert", lora_src, out("lora_noalpha")), 1, r"LoRA of rank 4\b.*--lora-alpha llm=ALPHA")
@@ -353,6 +345,7 @@ def main():
     check("convert pi0_tiny to bf16: round-to-nearest-even of the fixture", t_bf16_rounding)
     for steps, ref in ((10, "actions"), (3, "actions_3step"), (1, "actions_1step")):
         check(f"pi0 sample on converted pi0_tiny, {steps} steps", t_pi0_sample(steps, ref))
+    check("convert pi05_tiny_h50 to f32: pi0 loads it as Pi0.5", t_pi05_convert)
     for steps, ref in ((10, "actions"), (3, "actions_3step"), (1, "actions_1step")):
         check(f"pi0 sample on converted pi05_tiny_h50, {steps} steps", t_pi05_sample(steps, ref))
     check("LoRA of no openpi variant's rank needs --lora-alpha", t_lora_needs_alpha)
@@ -382,8 +375,7 @@ def main():
     check("the script is found beside an installed pi0, or in $PI0_TOOLS_DIR", t_script_lookup)
 
     shutil.rmtree(WORK, ignore_errors=True)
-    summary = f"{counts['passed']} passed, {counts['failed']} failed"
-    print(summary + (f", {counts['skipped']} skipped" if counts["skipped"] else ""))
+    print(f"{counts['passed']} passed, {counts['failed']} failed")
     return 1 if counts["failed"] else 0
 
 
