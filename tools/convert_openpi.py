@@ -7,8 +7,9 @@
 openpi releases and trains its checkpoints as `SRC/params/` (orbax PyTreeCheckpointer: an OCDBT
 key-value store of zarr arrays) with `SRC/assets/<asset_id>/norm_stats.json` beside it. This writes
 DST/model.safetensors (names and layouts of openpi's examples/convert_jax_model_to_pytorch.py,
-PI0_SPEC.md §5 and §8), DST/config.json (action_dim, action_horizon, max_token_len, variants, precision,
-and a `dims` block read from the param shapes) and copies SRC/assets to DST/assets.
+PI0_SPEC.md §5 and §8), DST/config.json (action_dim, variants, precision, a `dims` block read from the
+param shapes, and action_horizon / max_token_len when given: the params do not store them) and copies
+SRC/assets to DST/assets.
 
 The param tree alone says what the model is (Pi0 or Pi0.5; Pi0-FAST and anything else are refused),
 never the path. LoRA fine-tunes are merged the way openpi applies them (lora.py). Every param must be
@@ -57,9 +58,11 @@ The written file is read back and checked against the source before it gets its 
                           the checkpoint; openpi's gemma_2b_lora (rank 16) and gemma_300m_lora (rank 32)
                           imply alpha = rank; any other rank needs this flag)
   --rslora                the LoRA was rank-stabilized: scale alpha/sqrt(rank) instead of alpha/rank
-  --action-horizon N      action_horizon for config.json (default 50; not stored in the params:
-                          openpi's pi0_droid uses 10, pi05_droid 15, pi05_libero 10)
-  --max-token-len N       max_token_len for config.json (default 48 for Pi0, 200 for Pi0.5)
+  --action-horizon N      action_horizon for config.json. The params do not store it: without this
+                          flag config.json leaves it out and pi0 infer/serve take the adapter's
+                          (openpi's configs: pi0_droid 10, pi05_droid 15, pi05_libero 10, others 50)
+  --max-token-len N       max_token_len for config.json (not stored either; left out, pi0 uses
+                          openpi's defaults: 48 for Pi0, 200 for Pi0.5)
   --force                 replace an existing DST/model.safetensors and DST/assets
   --json                  print the summary as one JSON object
 """
@@ -663,13 +666,15 @@ def variant_name(g, has_lora):
     return "custom"
 
 
-def config_json(kind, dims, args, lora):
-    """The config.json pi0 reads (src/model/config.c), in the fixtures' format."""
+def config_json(dims, args, lora):
+    """The config.json pi0 reads (src/model/config.c), in the fixtures' format. action_horizon and
+    max_token_len only when given: a guess here would override the engine's better defaults (the
+    adapter's horizon, openpi's token lengths per model kind)."""
     v = dims["vision"]
+    given = {k: getattr(args, k) for k in ("action_horizon", "max_token_len") if getattr(args, k)}
     return {
         "action_dim": dims["action_dim"],
-        "action_horizon": args.action_horizon or 50,
-        "max_token_len": args.max_token_len or (200 if kind == "pi05" else 48),
+        **given,
         "paligemma_variant": variant_name(dims["llm"], "llm" in lora),
         "action_expert_variant": variant_name(dims["expert"], "expert" in lora),
         "precision": DTYPES[args.dtype][2],
@@ -730,15 +735,14 @@ def convert(args):
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-    config = config_json(kind, dims, args, lora)
+    config = config_json(dims, args, lora)
     write_json(os.path.join(dst, "config.json"), config)
     assets = copy_assets(assets_dir, dst)
     return {
         "model": kind, "source": os.path.abspath(args.src), "output": dst,
         "dtype": config["precision"], "source_dtype": source_dtype(leaves),
         "tensors": sum(len(p.tensors) for p in params), "bytes": os.path.getsize(model_path), "verified": True,
-        "dims": dims, "action_horizon": config["action_horizon"], "max_token_len": config["max_token_len"],
-        "defaults": [f for f in ("action_horizon", "max_token_len") if getattr(args, f) is None],
+        "dims": dims, "action_horizon": args.action_horizon, "max_token_len": args.max_token_len,
         "paligemma_variant": config["paligemma_variant"], "action_expert_variant": config["action_expert_variant"],
         "lora": lora, "rslora": args.rslora if lora else False, "assets": assets,
         "seconds": {"convert": round(t1 - t0, 3), "verify": round(time.monotonic() - t1, 3)},
@@ -768,7 +772,6 @@ def format_lora(lora, rslora):
 
 def print_summary(s):
     d = s["dims"]
-    default = lambda f: " (default: not stored in the checkpoint)" if f in s["defaults"] else ""  # noqa: E731
     lines = [
         f"converted {s['source']} -> {s['output']}",
         f"{'model':<10} {'Pi0.5' if s['model'] == 'pi05' else 'Pi0'} ({s['paligemma_variant']} + "
@@ -779,8 +782,8 @@ def print_summary(s):
         f"{'tensors':<10} {s['tensors']} in {s['dtype']} ({size_text(s['bytes'])}) from {s['source_dtype']} params; "
         "read back and equal to the source",
         f"{'lora':<10} {format_lora(s['lora'], s['rslora'])}",
-        f"{'config':<10} action_horizon {s['action_horizon']}{default('action_horizon')}, "
-        f"max_token_len {s['max_token_len']}{default('max_token_len')}",
+        f"{'config':<10} " + ", ".join(f"{k} {s[k]}" if s[k] else f"{k} left out (not in the checkpoint)"
+                                       for k in ("action_horizon", "max_token_len")),
         f"{'assets':<10} {', '.join(s['assets']) or 'no norm_stats.json (pi0 infer and serve will need --norm-stats)'}",
         f"{'time':<10} convert {s['seconds']['convert']:.1f} s, verify {s['seconds']['verify']:.1f} s, "
         f"peak memory {size_text(s['peak_memory_bytes'])}",
