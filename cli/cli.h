@@ -17,6 +17,7 @@ int cmd_sample(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_init(int argc, char **argv);
+int cmd_convert(int argc, char **argv); /* runs tools/convert_openpi.py */
 int cmd_infer(int argc, char **argv); /* only in builds with PI0_WITH_SERVER */
 int cmd_serve(int argc, char **argv);
 

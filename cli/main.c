@@ -14,6 +14,7 @@ static const char *usage =
     "  bench     time inference on a checkpoint or on built-in random weights\n"
     "  inspect   show a checkpoint's dims, dtypes, parameter counts, unused and missing tensors\n"
     "  init      write a checkpoint of random weights (any dims)\n"
+    "  convert   an openpi JAX checkpoint (orbax params/) to this format (needs python3 and tensorstore)\n"
     "  infer     one robot observation (msgpack, as on the wire) to actions, through the policy\n"
     "  serve     the openpi websocket policy server, batching concurrent requests\n"
     "\n"
@@ -30,6 +31,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "bench")) return cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "inspect")) return cmd_inspect(argc - 1, argv + 1);
     if (!strcmp(cmd, "init")) return cmd_init(argc - 1, argv + 1);
+    if (!strcmp(cmd, "convert")) return cmd_convert(argc - 1, argv + 1);
     if (!strcmp(cmd, "infer") || !strcmp(cmd, "serve")) {
 #ifdef PI0_WITH_SERVER
         return (cmd[0] == 'i' ? cmd_infer : cmd_serve)(argc - 1, argv + 1);

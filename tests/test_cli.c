@@ -14,8 +14,8 @@ TEST(help_and_exit_codes) {
     CHECK(run_pi0(out, sizeof out, "--help") == 0 && strstr(out, "usage: pi0"), "pi0 --help");
     CHECK(run_pi0(NULL, 0, "%s", "") == 2, "no command must exit 2");
     CHECK(run_pi0(NULL, 0, "frobnicate") == 2 && strstr(last_stderr(), "unknown command"));
-    const char *commands[] = {"sample", "bench", "inspect", "init"};
-    for (int i = 0; i < 4; i++) {
+    const char *commands[] = {"sample", "bench", "inspect", "init", "convert"};
+    for (int i = 0; i < 5; i++) {
         CHECK(run_pi0(out, sizeof out, "%s --help", commands[i]) == 0 && strstr(out, "usage: pi0"), "pi0 %s --help",
               commands[i]);
         CHECK(run_pi0(NULL, 0, "%s --no-such-flag", commands[i]) == 2, "pi0 %s with a bad flag must exit 2", commands[i]);
