@@ -152,9 +152,9 @@ run: $(BUILD)/pi0
 # The GPU tests are built here too (so a CPU-only machine with nvcc still compiles every CUDA
 # source and GPU test), but only run by test-gpu. server.sh always runs: in a build without the
 # server it reports itself skipped, never passed.
-test: $(TEST_BIN) $(GPU_TEST_BIN) $(LAB_BIN) $(TOOL_BIN) $(BUILD)/pi0
-	PI0_BIN=$(BUILD)/pi0 PI0_TOOLS=$(BUILD)/tests PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(TEST_BIN) tests/crosscheck.sh \
-	  tests/server.sh
+test: $(TEST_BIN) $(GPU_TEST_BIN) $(LAB_BIN) $(TOOL_BIN) $(BUILD)/pi0 $(BUILD)/libpi0.so
+	BUILD=$(BUILD) SANITIZE="$(SANITIZE)" PI0_BIN=$(BUILD)/pi0 PI0_TOOLS=$(BUILD)/tests PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(TEST_BIN) \
+	  tests/crosscheck.sh tests/server.sh tests/convert_test.py tests/library.sh
 
 test-gpu: $(GPU_TEST_BIN) $(LAB_BIN) $(BUILD)/pi0
 	@test -n "$(GPU_TEST_BIN)" || { echo "test-gpu needs nvcc (CUDA toolkit) at build time"; exit 1; }
@@ -192,8 +192,8 @@ endif
 # compare against, at the versions CI tests with.
 APT_PACKAGES = build-essential pkg-config libopenblas-openmp-dev libjansson-dev libmsgpack-dev libwebsockets-dev \
                python3-pip
-PIP_IMPORTS = numpy, sentencepiece, google.protobuf, PIL, msgpack, websockets, openpi_client.msgpack_numpy, \
-              openpi_client.websocket_client_policy
+PIP_IMPORTS = numpy, sentencepiece, google.protobuf, PIL, msgpack, websockets, tensorstore, ml_dtypes, \
+              openpi_client.msgpack_numpy, openpi_client.websocket_client_policy
 # openpi-client pins numpy<2 although the modules the tests use (msgpack_numpy, websocket_client_policy)
 # work with numpy 2: it is installed without its dependencies, which tests/requirements.txt lists.
 OPENPI_CLIENT = openpi-client==0.1.2
