@@ -43,15 +43,7 @@ void cpu_layernorm(float *out, const float *in, int rows, int dim, const float *
 }
 
 void cpu_rmsnorm(float *out, const float *in, int rows, int dim, const float *w, float eps) {
-#pragma omp parallel for schedule(static) if (rows > 8)
-    for (int r = 0; r < rows; r++) {
-        const float *x = in + (size_t)r * dim;
-        float *y = out + (size_t)r * dim;
-        float sum_sq = 0;
-        for (int j = 0; j < dim; j++) sum_sq += x[j] * x[j];
-        float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
-        for (int j = 0; j < dim; j++) y[j] = x[j] * inv * (1.0f + w[j]);
-    }
+    cpu_rmsnorm_mod(out, in, rows, dim, w, NULL, eps);
 }
 
 void cpu_rmsnorm_mod(float *out, const float *in, int rows, int dim, const float *scale, const float *shift, float eps) {
@@ -62,7 +54,9 @@ void cpu_rmsnorm_mod(float *out, const float *in, int rows, int dim, const float
         float sum_sq = 0;
         for (int j = 0; j < dim; j++) sum_sq += x[j] * x[j];
         float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
-        for (int j = 0; j < dim; j++) y[j] = x[j] * inv * (1.0f + scale[j]) + shift[j];
+        for (int j = 0; j < dim; j++) y[j] = x[j] * inv * (1.0f + scale[j]);
+        if (shift)
+            for (int j = 0; j < dim; j++) y[j] += shift[j];
     }
 }
 

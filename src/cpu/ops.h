@@ -21,7 +21,8 @@ void cpu_linear_add(float *x, const float *in, int rows, int in_dim, const float
 void cpu_layernorm(float *out, const float *in, int rows, int dim, const float *w, const float *b, float eps);
 /* x / sqrt(mean(x^2) + eps) * (1 + w) per row: Gemma's RMSNorm. */
 void cpu_rmsnorm(float *out, const float *in, int rows, int dim, const float *w, float eps);
-/* x / sqrt(mean(x^2) + eps) * (1 + scale) + shift per row: Pi0.5's adaptive RMSNorm (docs/model.md#adaptive-rmsnorm). */
+/* x / sqrt(mean(x^2) + eps) * (1 + scale) + shift per row: Pi0.5's adaptive RMSNorm
+ * (docs/model.md#adaptive-rmsnorm); shift may be NULL (then it is Gemma's RMSNorm). */
 void cpu_rmsnorm_mod(float *out, const float *in, int rows, int dim, const float *scale, const float *shift, float eps);
 /* x (rows, dim) += gate * y, gate per column: Pi0.5's gated residual. */
 void cpu_add_gated(float *x, const float *y, int rows, int dim, const float *gate);

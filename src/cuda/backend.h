@@ -11,6 +11,7 @@
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "model/model.h"
+#include "util/error.h"
 
 #define ROPE_MAX_POS 16384 /* positions a plan may use: prefix + suffix of one sample */
 #define MAX_GRAPHS 8       /* captured shapes kept; the least recently used one goes first */
@@ -104,6 +105,19 @@ typedef struct {
     int num_allocations, max_allocations;
     uint64_t device_bytes, peak_device_bytes;
 } cuda_state;
+
+/* In functions that return pi0_status and have `pi0_error *err`: fail with the CUDA call and its error,
+ * or pass a failed status up. */
+#define CUDA_TRY(call)                                                                                        \
+    do {                                                                                                      \
+        cudaError_t e_ = (call);                                                                              \
+        if (e_ != cudaSuccess) return pi0_fail(err, PI0_ERR_BACKEND, "%s: %s", #call, cudaGetErrorString(e_)); \
+    } while (0)
+#define TRY(call)                                \
+    do {                                         \
+        pi0_status st_ = (call);                 \
+        if (st_) return st_;                     \
+    } while (0)
 
 /* cudaMalloc that counts bytes and remembers the pointer for release. */
 void *cuda_alloc(cuda_state *s, size_t bytes, pi0_error *err);

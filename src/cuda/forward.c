@@ -20,17 +20,6 @@
 #include "model/flow.h"
 #include "util/error.h"
 
-#define CUDA_TRY(call)                                                                                        \
-    do {                                                                                                      \
-        cudaError_t e_ = (call);                                                                              \
-        if (e_ != cudaSuccess) return pi0_fail(err, PI0_ERR_BACKEND, "%s: %s", #call, cudaGetErrorString(e_)); \
-    } while (0)
-#define TRY(call)                                \
-    do {                                         \
-        pi0_status st_ = (call);                 \
-        if (st_) return st_;                     \
-    } while (0)
-
 static pi0_status gemm(cuda_state *s, gemm_args a, pi0_error *err) {
     return gemm_run(&s->gemm, &a, s->stream, err);
 }

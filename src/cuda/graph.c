@@ -17,17 +17,6 @@
 
 #define ALIGN 256
 
-#define CUDA_TRY(call)                                                                                        \
-    do {                                                                                                      \
-        cudaError_t e_ = (call);                                                                              \
-        if (e_ != cudaSuccess) return pi0_fail(err, PI0_ERR_BACKEND, "%s: %s", #call, cudaGetErrorString(e_)); \
-    } while (0)
-#define TRY(call)                                \
-    do {                                         \
-        pi0_status st_ = (call);                 \
-        if (st_) return st_;                     \
-    } while (0)
-
 /* ---- graph memory --------------------------------------------------------------------------- */
 
 /* Hands out aligned offsets from a base; with base 0 it only measures. */
