@@ -84,7 +84,7 @@ typedef struct {
     double mean, p50, p95, min, max, vision, prefix, denoise;
 } bench_stats;
 
-static void report(const workload *w, const bench_stats *s, pi0_model *model, double peak_gb, int json) {
+static int report(const workload *w, const bench_stats *s, pi0_model *model, double peak_gb, int json) {
     double hz = 1000.0 / s->mean, samples_per_s = hz * (double)w->batch;
     double gpu_gb = (double)pi0_model_device_memory(model) / 1e9;
     if (json) {
@@ -96,11 +96,7 @@ static void report(const workload *w, const bench_stats *s, pi0_model *model, do
             "latency_ms", "mean", s->mean, "p50", s->p50, "p95", s->p95, "min", s->min, "max", s->max, "hz", hz,
             "samples_per_s", samples_per_s, "peak_host_memory_gb", peak_gb, "peak_gpu_memory_gb", gpu_gb, "stages_ms", "vision", s->vision, "prefix",
             s->prefix, "denoise", s->denoise);
-        char *text = json_dumps(o, JSON_PRESERVE_ORDER);
-        if (text) puts(text);
-        free(text);
-        json_decref(o);
-        return;
+        return print_json("bench", o, JSON_PRESERVE_ORDER);
     }
     printf("pi0 bench: %s, backend %s, batch %lld, %lld cameras (%lld masked), %lld prompt tokens, horizon %lld, "
            "%lld steps, %lld iterations\n",
@@ -110,6 +106,7 @@ static void report(const workload *w, const bench_stats *s, pi0_model *model, do
     printf("throughput: %.2f Hz, %.2f samples/s\n", hz, samples_per_s);
     printf("stages ms (mean): vision %.2f  prefix %.2f  denoise %.2f\n", s->vision, s->prefix, s->denoise);
     printf("peak memory: host %.2f GB, gpu %.2f GB\n", peak_gb, gpu_gb);
+    return EXIT_OK;
 }
 
 static int run_bench(pi0_model *model, const workload *w, int json) {
@@ -154,7 +151,7 @@ static int run_bench(pi0_model *model, const workload *w, int json) {
     s.min = lat[0], s.max = lat[w->iters - 1];
     struct rusage usage;
     getrusage(RUSAGE_SELF, &usage);
-    report(w, &s, model, (double)usage.ru_maxrss * 1024.0 / 1e9, json);
+    rc = report(w, &s, model, (double)usage.ru_maxrss * 1024.0 / 1e9, json);
 done:
     free(lat);
     inputs_free(&in, (int)w->cameras);

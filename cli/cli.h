@@ -4,6 +4,7 @@
 #ifndef PI0_CLI_H
 #define PI0_CLI_H
 
+#include <jansson.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -43,6 +44,11 @@ typedef struct {
 const int_flag *int_flag_value(int argc, char **argv, int *i, const int_flag *flags, size_t count, int *bad);
 /* The usage error for a bad int_flag value ("--steps takes an integer in 1..10000"). */
 int int_flag_error(const char *cmd, const int_flag *flag);
+
+/* Prints `o` (freed here) on stdout as JSON dumped with `flags`; returns EXIT_OK. jansson holds no NaN or infinity:
+ * json_real and json_pack fail on them, which leaves a NULL object (or an array without that element), so a NULL `o`
+ * or a failed dump prints an error naming `cmd` and returns EXIT_FAILURE_RUN: never an empty or partial success. */
+int print_json(const char *cmd, json_t *o, size_t flags);
 
 /* A load-progress callback printing whole percents to stderr. */
 void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total);

@@ -54,6 +54,19 @@ int int_flag_error(const char *cmd, const int_flag *flag) {
     return usage_error(cmd, "%s takes an integer in %lld..%lld", flag->name, flag->min, flag->max);
 }
 
+int print_json(const char *cmd, json_t *o, size_t flags) {
+    char *text = o ? json_dumps(o, flags) : NULL;
+    json_decref(o);
+    if (!text) {
+        fprintf(stderr, "pi0 %s: error: cannot write the JSON output (a number is NaN or infinite, or out of memory)\n",
+                cmd);
+        return EXIT_FAILURE_RUN;
+    }
+    puts(text);
+    free(text);
+    return EXIT_OK;
+}
+
 void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total) {
     int *last_percent = user;
     int percent = total ? (int)(done * 100 / total) : 100;

@@ -85,18 +85,25 @@ static pi0_status write_reply(const char *path, const pi0_policy_result *r, doub
     return st;
 }
 
-static void print_json(const pi0_policy_result *r, double infer_ms) {
+/* The reply as JSON. An action that is not finite is refused by name: json_real gives NULL for it, which
+ * json_array_append_new would turn into a silently missing element. */
+static int print_reply_json(const pi0_policy_result *r, double infer_ms) {
     json_t *rows = json_array();
     for (int t = 0; t < r->horizon; t++) {
         json_t *row = json_array();
-        for (int a = 0; a < r->action_dims; a++) json_array_append_new(row, json_real(r->actions[t * r->action_dims + a]));
         json_array_append_new(rows, row);
+        for (int a = 0; a < r->action_dims; a++) {
+            double x = r->actions[t * r->action_dims + a];
+            if (json_array_append_new(row, json_real(x))) {
+                pi0_error err;
+                pi0_fail(&err, PI0_ERR_NUMERIC, "action step %d, dim %d is %g, which JSON cannot hold", t, a, x);
+                json_decref(rows);
+                return run_error("infer", &err);
+            }
+        }
     }
-    json_t *o = json_pack("{s:o,s:f}", "actions", rows, "infer_ms", infer_ms);
-    char *text = json_dumps(o, JSON_PRESERVE_ORDER | JSON_COMPACT);
-    if (text) puts(text);
-    free(text);
-    json_decref(o);
+    return print_json("infer", json_pack("{s:o,s:f}", "actions", rows, "infer_ms", infer_ms),
+                      JSON_PRESERVE_ORDER | JSON_COMPACT);
 }
 
 static void print_table(const pi0_policy_result *r, const char *adapter, double infer_ms) {
@@ -179,7 +186,7 @@ int cmd_infer(int argc, char **argv) {
         rc = run_error("infer", &err);
         goto done;
     }
-    if (json) print_json(&result, infer_ms);
+    if (json) rc = print_reply_json(&result, infer_ms);
     else print_table(&result, pi0_policy_adapter_name(policy), infer_ms);
 done:
     pi0_policy_result_free(&result);

@@ -146,10 +146,7 @@ int cmd_inspect(int argc, char **argv) {
     if (json) {
         json_t *o = inspection_json(&ck, &rep);
         json_object_set_new(o, "loadable", json_boolean(loadable));
-        char *text = json_dumps(o, JSON_PRESERVE_ORDER | JSON_INDENT(2));
-        if (text) puts(text);
-        free(text);
-        json_decref(o);
+        if (print_json("inspect", o, JSON_PRESERVE_ORDER | JSON_INDENT(2))) loadable = 0;
     } else {
         print_text(&ck, &rep);
     }

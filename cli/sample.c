@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "io/safetensors.h"
 #include "util/error.h"
+#include "util/finite.h"
 
 static const char *help =
     "usage: pi0 sample --checkpoint DIR --inputs IN.safetensors --output OUT.safetensors\n"
@@ -106,6 +107,9 @@ static pi0_status read_prompt(sample_inputs *in, pi0_error *err) {
     if (ids->dtype != ST_I32 && ids->dtype != ST_I64)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "tokenized_prompt must be int32 or int64, not %s",
                         st_dtype_name(ids->dtype));
+    if (ids->shape[1] > PI0_MAX_PROMPT_LEN)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "input tokenized_prompt has %lld tokens per sample, over the "
+                        "limit %d", (long long)ids->shape[1], PI0_MAX_PROMPT_LEN);
     in->prompt_len = (int)ids->shape[1];
     const st_tensor *mask = st_find(&in->file, "tokenized_prompt_mask");
     if (mask && (st = expect_shape(mask, 2, ids->shape, err))) return st;
@@ -151,6 +155,12 @@ static pi0_status read_state_and_noise(sample_inputs *in, const pi0_dims *dims, 
     in->horizon = horizon;
     if (!noise) return PI0_OK;
     if ((st = expect_shape(noise, 3, (int64_t[]){in->batch, -1, dims->action_dim}, err))) return st;
+    /* the horizon is the noise's: 0 must not reach pi0_batch.horizon, where it means the model's default */
+    if (noise->shape[1] < 1 || noise->shape[1] > PI0_MAX_HORIZON) {
+        char have[96];
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "input noise has shape %s: its horizon (axis 1) must be in 1..%d",
+                        st_shape_str(noise->rank, noise->shape, have, sizeof have), PI0_MAX_HORIZON);
+    }
     in->horizon = (int)noise->shape[1];
     if (!(in->noise = tensor_f32(noise))) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     return PI0_OK;
@@ -172,8 +182,14 @@ static pi0_status read_inputs(const char *path, const pi0_dims *dims, sample_inp
     return PI0_OK;
 }
 
+/* Writes the actions, which must all be finite: nothing downstream may act on a NaN (pi0_sample_actions checks
+ * its inputs, not its outputs). */
 static pi0_status write_actions(const char *path, const float *actions, int B, int H, int A, int steps,
                                 pi0_error *err) {
+    size_t n = (size_t)B * H * A, at = first_nonfinite(actions, n);
+    if (at < n)
+        return pi0_fail(err, PI0_ERR_NUMERIC, "the actions of sample %zu are %g at step %zu, dim %zu: not writing %s",
+                        at / ((size_t)H * A), actions[at], at / A % H, at % A, path);
     st_writer w;
     st_writer_init(&w);
     char steps_text[32];
@@ -185,14 +201,12 @@ static pi0_status write_actions(const char *path, const float *actions, int B, i
     return st;
 }
 
-static void print_json(const char *output, int B, int H, int A, const pi0_timings *t, pi0_backend backend) {
-    json_t *o = json_pack("{s:s,s:[i,i,i],s:s,s:{s:f,s:f,s:f,s:f}}", "output", output, "shape", B, H, A, "backend",
-                          pi0_backend_name(backend), "timings_ms", "vision", t->vision_ms, "prefix", t->prefix_ms,
-                          "denoise", t->denoise_ms, "total", t->total_ms);
-    char *text = json_dumps(o, JSON_PRESERVE_ORDER);
-    if (text) puts(text);
-    free(text);
-    json_decref(o);
+static int print_summary_json(const char *output, int B, int H, int A, const pi0_timings *t, pi0_backend backend) {
+    return print_json("sample",
+                      json_pack("{s:s,s:[i,i,i],s:s,s:{s:f,s:f,s:f,s:f}}", "output", output, "shape", B, H, A, "backend",
+                                pi0_backend_name(backend), "timings_ms", "vision", t->vision_ms, "prefix", t->prefix_ms,
+                                "denoise", t->denoise_ms, "total", t->total_ms),
+                      JSON_PRESERVE_ORDER);
 }
 
 int cmd_sample(int argc, char **argv) {
@@ -245,7 +259,7 @@ int cmd_sample(int argc, char **argv) {
                write_actions(output, actions, in.batch, in.horizon, dims->action_dim, (int)steps, &err)) {
         rc = run_error("sample", &err);
     } else if (json) {
-        print_json(output, in.batch, in.horizon, dims->action_dim, &timings, pi0_model_backend(model));
+        rc = print_summary_json(output, in.batch, in.horizon, dims->action_dim, &timings, pi0_model_backend(model));
     } else if (!quiet) {
         fprintf(stderr, "wrote %s: actions (%d, %d, %d) in %.1f ms (vision %.1f, prefix %.1f, denoise %.1f)\n", output,
                 in.batch, in.horizon, dims->action_dim, timings.total_ms, timings.vision_ms, timings.prefix_ms,

@@ -54,6 +54,8 @@ typedef enum {
     PI0_ERR_CHECKPOINT,       /* a tensor is missing or has the wrong shape or dtype */
     PI0_ERR_OUT_OF_MEMORY,
     PI0_ERR_BACKEND,          /* the backend is unavailable or failed (e.g. no GPU) */
+    PI0_ERR_NUMERIC,          /* finite inputs gave a NaN or infinite result (pi0_policy_infer's actions): the
+                                 weights, the norm stats or an extreme input overflowed; nothing may act on it */
 } pi0_status;
 
 typedef struct {
@@ -161,10 +163,13 @@ typedef struct {
     const int32_t *prompt_ids;   /* (B, prompt_len) */
     const uint8_t *prompt_mask;  /* (B, prompt_len) */
     const float *state;          /* (B, action_dim), already normalized and padded */
-    int horizon;                 /* H; 0 = dims.action_horizon */
+    int horizon;                 /* H in 1..PI0_MAX_HORIZON, or 0 for dims.action_horizon. `noise` and `actions`
+                                    hold H steps per sample, with H resolved that way: a caller that takes H
+                                    from data (a noise tensor's shape) must refuse 0 itself, since here 0 is
+                                    not an empty horizon but the default. Negative: PI0_ERR_INVALID_ARGUMENT. */
     const float *noise;          /* (B, H, action_dim) x at t = 1; NULL = standard normal from noise_seed */
     uint64_t noise_seed;
-    int num_steps;               /* Euler steps; 0 = 10 */
+    int num_steps;               /* Euler steps in 1..PI0_MAX_STEPS, or 0 for 10 (the same caution) */
 } pi0_batch;
 
 /* Wall time spent in each stage of the last sample_actions call, in milliseconds. */
@@ -175,7 +180,10 @@ typedef struct {
     double total_ms;
 } pi0_timings;
 
-/* Computes actions (B, H, action_dim) float32. `timings` may be NULL. */
+/* Computes actions (B, H, action_dim) float32. `timings` may be NULL. What the model reads must be finite (the
+ * images of valid cameras, Pi0's state, the caller's noise): a NaN or infinity there is refused naming the input
+ * and where it is (PI0_ERR_INVALID_ARGUMENT). The actions themselves are not checked here, since a batch's
+ * samples succeed or fail together; pi0_policy_infer checks each observation's. */
 PI0_API pi0_status pi0_sample_actions(pi0_model *model, const pi0_batch *batch, float *actions,
                               pi0_timings *timings, pi0_error *err);
 

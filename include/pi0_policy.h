@@ -103,8 +103,9 @@ typedef struct {
                                ($OPENPI_DATA_HOME, else ~/.cache/openpi)/big_vision/paligemma_tokenizer.model */
     const char *norm_stats; /* NULL: the one norm_stats.json anywhere under <checkpoint>/assets/ */
     pi0_norm_mode norm_mode;
-    int num_steps;          /* Euler steps; 0 = 10 */
-    int horizon;            /* 0 = config.json's action_horizon, else the adapter's for this model, else 50 */
+    int num_steps;          /* Euler steps in 1..PI0_MAX_STEPS; 0 = 10 */
+    int horizon;            /* 1..PI0_MAX_HORIZON; 0 = config.json's action_horizon, else the adapter's for this
+                               model, else 50. Negative values are refused (PI0_ERR_INVALID_ARGUMENT). */
     pi0_options model;      /* backend, threads, load progress */
 } pi0_policy_options;
 
@@ -132,7 +133,9 @@ typedef struct {
  * Runs `count` (0..PI0_MAX_BATCH) observations as one batch. results[i] is overwritten (free an earlier
  * result first) with observation i's actions or its own error: a bad observation (missing key, wrong
  * shape or dtype, non-finite state...) fails alone, with a message naming the key, and the others still
- * run. Returns non-OK only when the call as a whole failed (bad arguments, out of memory, a backend
+ * run. A state whose normalized values are not finite in float32 (the model's input) fails its observation
+ * (PI0_ERR_INVALID_ARGUMENT), and so do actions that are not all finite (PI0_ERR_NUMERIC): a robot never
+ * receives NaN or infinity. Returns non-OK only when the call as a whole failed (bad arguments, out of memory, a backend
  * error), and then every observation that was in the batch carries that error too; so a caller may look
  * at results[i].error alone.
  *

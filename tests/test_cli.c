@@ -84,8 +84,9 @@ static void write_inputs_with(const char *path, const char *replace, st_dtype dt
 }
 
 TEST(sample_bad_inputs) {
-    const char *in = test_path("bad_inputs.safetensors"), *out = test_path("bad_out.safetensors");
-    char ckpt[1024];
+    char in[512], out[512], ckpt[1024]; /* copies: test_path's buffers are reused by every run_pi0 */
+    snprintf(in, sizeof in, "%s", test_path("bad_inputs.safetensors"));
+    snprintf(out, sizeof out, "%s", test_path("bad_out.safetensors"));
     snprintf(ckpt, sizeof ckpt, "%s/pi0_tiny", fixtures_dir());
     static float small_image[2 * 100 * 100 * 3];
     write_inputs_with(in, "image/base_0_rgb", ST_F32, 4, (int64_t[]){2, 100, 100, 3}, small_image);
@@ -98,6 +99,16 @@ TEST(sample_bad_inputs) {
     CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
               strstr(last_stderr(), "100000") && strstr(last_stderr(), "vocabulary"),
           "%s", last_stderr());
+    /* a noise of horizon 0: refused, since 0 in pi0_batch.horizon means the model's default (10 steps) */
+    static float no_noise[1];
+    write_inputs_with(in, "noise", ST_F32, 3, (int64_t[]){2, 0, 32}, no_noise);
+    CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
+              strstr(last_stderr(), "input noise has shape [2, 0, 32]: its horizon (axis 1) must be in 1..4096"),
+          "%s", last_stderr());
+    static float nan_noise[2 * 10 * 32] = {[2 * 10 * 32 - 1] = NAN};
+    write_inputs_with(in, "noise", ST_F32, 3, (int64_t[]){2, 10, 32}, nan_noise);
+    CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
+              strstr(last_stderr(), "the noise of sample 1 is nan at step 9, dim 31"), "%s", last_stderr());
     write_inputs_with(in, "state", ST_F32, 0, NULL, NULL);
     CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
               strstr(last_stderr(), "state"), "%s", last_stderr());

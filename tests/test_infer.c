@@ -48,11 +48,13 @@ static int write_bytes(const char *path, const void *data, size_t size) {
     return n == size ? 0 : -1;
 }
 
-/* A LIBERO observation (the keys of openpi's examples/libero client); `drop` leaves one key out. */
-static const char *write_libero_obs(const char *name, const char *drop) {
+/* A LIBERO observation (the keys of openpi's examples/libero client); `drop` leaves one key out, `state` (8
+ * values) replaces the usual one when not NULL. */
+static const char *write_libero_obs(const char *name, const char *drop, const float *state) {
     const char *path = keep_path(name);
     uint8_t *base = make_image(96, 128, 1), *wrist = make_image(224, 224, 2);
-    static const float state[8] = {0.01f, -0.1f, 0.9f, 3.0f, 0.25f, -0.2f, 0.03f, -0.025f};
+    static const float usual_state[8] = {0.01f, -0.1f, 0.9f, 3.0f, 0.25f, -0.2f, 0.03f, -0.025f};
+    if (!state) state = usual_state;
     pi0_packer pk = {0};
     pi0_pack_map(&pk, drop ? 3 : 4);
     if (!drop || strcmp(drop, "observation/image")) {
@@ -155,7 +157,7 @@ TEST(help_and_usage_errors) {
 }
 
 TEST(missing_and_bad_files) {
-    const char *ck = checkpoint(), *obs = write_libero_obs("obs.msgpack", NULL);
+    const char *ck = checkpoint(), *obs = write_libero_obs("obs.msgpack", NULL, NULL);
     REQUIRE(obs);
     CHECK(run_pi0(NULL, 0, "infer --checkpoint %s --adapter libero --obs /nonexistent/obs.msgpack --quiet", ck) == 1 &&
               strstr(last_stderr(), "/nonexistent/obs.msgpack"), "%s", last_stderr());
@@ -173,9 +175,17 @@ TEST(missing_and_bad_files) {
     CHECK(run_pi0(NULL, 0, "infer --checkpoint %s --adapter libero --obs %s --quiet", ck, junk) == 1 &&
               strstr(last_stderr(), junk), "%s", last_stderr());
     /* a valid file missing a key: the key is named */
-    const char *no_state = write_libero_obs("no_state.msgpack", "observation/state");
+    const char *no_state = write_libero_obs("no_state.msgpack", "observation/state", NULL);
     CHECK(run_pi0(NULL, 0, "infer --checkpoint %s --adapter libero --obs %s --quiet", ck, no_state) == 1 &&
               strstr(last_stderr(), "observation/state") && strstr(last_stderr(), "missing"), "%s", last_stderr());
+    /* a finite state that the norm stats scale past float32 (std 0.015): refused by name, not NaN actions and not
+     * {"actions": [[], [], ...]} (jansson drops what it cannot hold) */
+    static const float huge_state[8] = {0, 0, 0, 0, 0, 0, 1e38f, 0};
+    const char *huge = write_libero_obs("huge_state.msgpack", NULL, huge_state);
+    char out[4096];
+    CHECK(run_pi0(out, sizeof out, "infer --checkpoint %s --adapter libero --obs %s --json --quiet", ck, huge) == 1 &&
+              strstr(last_stderr(), "\"observation/state\"[6] is 1e+38") && !strstr(out, "actions"),
+          "stdout %s, stderr %s", out, last_stderr());
     /* the droid adapter on a libero observation */
     CHECK(run_pi0(NULL, 0, "infer --checkpoint %s --adapter droid --obs %s --quiet", ck, obs) == 1 &&
               strstr(last_stderr(), "observation/exterior_image_1_left"), "%s", last_stderr());
@@ -185,7 +195,7 @@ TEST(missing_and_bad_files) {
 }
 
 TEST(libero_table_json_and_output) {
-    const char *ck = checkpoint(), *obs = write_libero_obs("obs.msgpack", NULL), *out = keep_path("reply.msgpack");
+    const char *ck = checkpoint(), *obs = write_libero_obs("obs.msgpack", NULL, NULL), *out = keep_path("reply.msgpack");
     static char text[1 << 16];
     REQUIRE(obs);
     int rc = run_pi0(text, sizeof text, "infer --checkpoint %s --adapter libero --obs %s --steps 3 --seed 9", ck, obs);

@@ -11,6 +11,7 @@
 #include "cpu/cpu.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
+#include "model/config.h"
 #include "model/model.h"
 #include "pi0.h"
 
@@ -240,14 +241,16 @@ TEST(bf16_checkpoint_equals_rounded_f32) {
     fixture_close(&bf16);
 }
 
-/* Copies a fixture checkpoint with one tensor renamed, reshaped, retyped or dropped; or with LeRobot's
- * names: a "model." prefix and the embedding stored only as PaliGemma's tied output head. */
-typedef enum { EDIT_DROP, EDIT_RESHAPE, EDIT_RETYPE, EDIT_PREFIX, EDIT_EXTRA, EDIT_LEROBOT } edit_kind;
+/* Copies a fixture checkpoint with one tensor renamed, reshaped, retyped, dropped or replaced by an empty one of
+ * shape `empty` (rank 2: it may claim any size along the other axis); or with LeRobot's names: a "model." prefix
+ * and the embedding stored only as PaliGemma's tied output head. */
+typedef enum { EDIT_DROP, EDIT_RESHAPE, EDIT_RETYPE, EDIT_EMPTY, EDIT_PREFIX, EDIT_EXTRA, EDIT_LEROBOT } edit_kind;
 
 #define EMBED "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
 #define TIED_HEAD "paligemma_with_expert.paligemma.lm_head.weight"
 
-static int write_edited_from(const char *fixture_name, const char *dir, edit_kind kind, const char *target) {
+static int write_edited_from(const char *fixture_name, const char *dir, edit_kind kind, const char *target,
+                             const int64_t empty[2]) {
     char path[1024];
     pi0_error err = {0};
     st_file src;
@@ -275,6 +278,10 @@ static int write_edited_from(const char *fixture_name, const char *dir, edit_kin
             st_writer_add(&w, names[i], ST_I32, 1, (int64_t[]){16}, ints, &err);
             continue;
         }
+        if (is_target && kind == EDIT_EMPTY) {
+            st_writer_add(&w, names[i], ST_U8, 2, empty, NULL, &err); /* bytes: the writer takes any claim */
+            continue;
+        }
         st_writer_add(&w, names[i], t->dtype, t->rank, shape, t->data, &err);
     }
     if (kind == EDIT_EXTRA) {
@@ -298,7 +305,7 @@ static int write_edited_from(const char *fixture_name, const char *dir, edit_kin
 }
 
 static int write_edited(const char *dir, edit_kind kind, const char *target) {
-    return write_edited_from("pi0_tiny", dir, kind, target);
+    return write_edited_from("pi0_tiny", dir, kind, target, NULL);
 }
 
 static pi0_status load_dir(const char *dir, pi0_error *err) {
@@ -389,6 +396,92 @@ TEST(checkpoint_bad_config_json) {
     CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT && strstr(err.message, "action_dim"), "%s", err.message);
 }
 
+/* An empty tensor may claim any size: each dim read from a shape is bounded before any arithmetic (a position
+ * embedding of 2^62 rows once made the image-size math overflow), and the message names the tensor and the limit. */
+TEST(checkpoint_claimed_sizes_are_bounded) {
+    static const struct {
+        const char *target;
+        int64_t shape[2];
+        const char *message;
+    } cases[] = {
+        {"paligemma_with_expert.paligemma.model.vision_tower.vision_model.embeddings.position_embedding.weight",
+         {(int64_t)1 << 62, 0}, "axis 0 has size 4611686018427387904, over the limit 16777216"},
+        {"paligemma_with_expert.paligemma.model.vision_tower.vision_model.embeddings.position_embedding.weight",
+         {INT64_MAX, 0}, "axis 0 has size 9223372036854775807, over the limit 16777216"},
+        {EMBED, {(int64_t)1 << 40, 0}, "axis 0 has size 1099511627776, over the limit 16777216"},
+        {"paligemma_with_expert.gemma_expert.model.layers.0.mlp.gate_proj.weight", {(int64_t)1 << 32, 0},
+         "axis 0 has size 4294967296, over the limit 1048576"},
+        {"action_in_proj.weight", {0, (int64_t)1 << 33}, "axis 1 has size 8589934592, over the limit 4096"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *dir = test_path("claimed");
+        REQUIRE(write_edited_from("pi0_tiny", dir, EDIT_EMPTY, cases[i].target, cases[i].shape) == 0);
+        pi0_error err = {0};
+        CHECK(load_dir(dir, &err) == PI0_ERR_CHECKPOINT && strstr(err.message, cases[i].target) &&
+                  strstr(err.message, cases[i].message), "case %zu: %s", i, err.message);
+    }
+}
+
+/* A dims file's head counts are bounded too: heads x head_dim once overflowed int, and a huge q_proj would have
+ * been allocated. Each limit is named. A case replaces one block of the pi0_tiny fixture's dims (NULL: kept). */
+TEST(dims_file_limits) {
+    static const char *vision = "\"vision\": {\"width\": 64, \"depth\": 2, \"mlp_dim\": 128, \"num_heads\": 4}",
+                      *llm = "\"llm\": {\"width\": 64, \"depth\": 3, \"mlp_dim\": 160, \"num_heads\": 4, "
+                             "\"num_kv_heads\": 1, \"head_dim\": 32}",
+                      *expert = "\"expert\": {\"width\": 48, \"depth\": 3, \"mlp_dim\": 96, \"num_heads\": 4, "
+                                "\"num_kv_heads\": 1, \"head_dim\": 32}";
+    static const struct {
+        const char *vision, *llm, *expert, *image, *message;
+    } cases[] = {
+        {"\"vision\": {\"width\": 64, \"depth\": 2, \"mlp_dim\": 128, \"num_heads\": 16777216, \"head_dim\": 16777216}",
+         NULL, NULL, NULL, "vision.num_heads is 16777216, outside the limits 1..1024"},
+        {"\"vision\": {\"width\": 64, \"depth\": 2, \"mlp_dim\": 128, \"num_heads\": 4, \"head_dim\": 16777216}",
+         NULL, NULL, NULL, "vision.head_dim is 16777216, outside the limits 1..4096"},
+        {NULL,
+         "\"llm\": {\"width\": 64, \"depth\": 3, \"mlp_dim\": 160, \"num_heads\": 1024, \"num_kv_heads\": 1, "
+         "\"head_dim\": 4096}",
+         "\"expert\": {\"width\": 48, \"depth\": 3, \"mlp_dim\": 96, \"num_heads\": 1024, \"num_kv_heads\": 1, "
+         "\"head_dim\": 4096}",
+         NULL, "llm.num_heads x head_dim is 4194304, outside the limits 1..262144"},
+        {NULL, NULL, NULL, "\"image_size\": 16777216", "image_size is 16777216, outside the limits 1..4096"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *path = test_path("dims.json");
+        FILE *f = fopen(path, "w");
+        REQUIRE(f);
+        fprintf(f, "{\"model\": \"pi0\", \"dims\": {%s, %s, %s%s%s}}", cases[i].vision ? cases[i].vision : vision,
+                cases[i].llm ? cases[i].llm : llm, cases[i].expert ? cases[i].expert : expert,
+                cases[i].image ? ", " : "", cases[i].image ? cases[i].image : "");
+        fclose(f);
+        pi0_dims d;
+        pi0_error err = {0};
+        CHECK(config_load_dims(path, &d, &err) == PI0_ERR_INVALID_ARGUMENT && strstr(err.message, cases[i].message),
+              "case %zu: %s", i, err.message);
+    }
+}
+
+/* Tensor sizes saturate rather than wrap: dims that never met dims_validate (a q_proj of 2^60 x 16 rows, 2^64
+ * floats) fail the allocation instead of getting a small arena. */
+TEST(weight_sizes_saturate) {
+    pi0_dims d = pi0_dims_pi0();
+    d.llm.num_heads = d.expert.num_heads = d.llm.head_dim = d.expert.head_dim = 1 << 30;
+    d.llm.width = 16;
+    pi0_weights w = {0};
+    weight_spec *specs = NULL;
+    int n = weights_specs(&d, &w, &specs);
+    REQUIRE(n > 0);
+    uint64_t q_numel = 0;
+    for (int i = 0; i < n; i++)
+        if (!strcmp(specs[i].name, "paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight"))
+            q_numel = specs[i].numel;
+    CHECK(q_numel == UINT64_MAX, "q_proj numel %llu", (unsigned long long)q_numel);
+    pi0_error err = {0};
+    if (q_numel == UINT64_MAX)
+        CHECK(weights_alloc(&w, specs, n, &err) == PI0_ERR_OUT_OF_MEMORY && w.arena == NULL, "%s", err.message);
+    weights_free(&w);
+    free(specs);
+}
+
 /* Each sample of a ragged batch gets the actions it gets alone: masking is per sample. */
 static void check_ragged_batch(const char *name) {
     fixture f;
@@ -439,7 +532,7 @@ TEST(pi05_kind_defaults_and_no_state) {
     fixture_close(&f);
 
     const char *dir = test_path("pi05_no_config_len");
-    REQUIRE(write_edited_from("pi05_tiny", dir, EDIT_EXTRA, NULL) == 0);
+    REQUIRE(write_edited_from("pi05_tiny", dir, EDIT_EXTRA, NULL, NULL) == 0);
     char path[600];
     snprintf(path, sizeof path, "%s/config.json", dir);
     FILE *fp = fopen(path, "w");
@@ -465,7 +558,7 @@ TEST(pi05_kind_defaults_and_no_state) {
 /* LeRobot's Pi0.5: the same modules under "model.", the embedding only as the tied lm_head: same actions. */
 TEST(pi05_lerobot_names) {
     const char *dir = test_path("pi05_lerobot");
-    REQUIRE(write_edited_from("pi05_tiny", dir, EDIT_LEROBOT, NULL) == 0);
+    REQUIRE(write_edited_from("pi05_tiny", dir, EDIT_LEROBOT, NULL, NULL) == 0);
     fixture plain, renamed;
     REQUIRE(fixture_open(&plain, "pi05_tiny", NULL) == 0);
     REQUIRE(fixture_open(&renamed, "pi05_tiny", dir) == 0);
@@ -523,6 +616,41 @@ TEST(bad_batches_are_rejected) {
     b.num_steps = -1;
     CHECK(pi0_sample_actions(f.model, &b, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT);
     CHECK(pi0_sample_actions(f.model, NULL, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT);
+    free(out);
+    fixture_close(&f);
+}
+
+/* NaN or infinity in what the model reads is refused, naming the input and where it is; what it does not read (a
+ * masked camera's image, Pi0.5's state) is not looked at. */
+TEST(nonfinite_inputs_are_refused) {
+    fixture f;
+    REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
+    float *out = malloc(actions_len(&f) * sizeof(float));
+    pi0_error err = {0};
+    size_t S = 224, A = 32, image = S * S * 3, chunk = (size_t)f.batch.horizon * A;
+    f.batch.num_steps = 1;
+    REQUIRE(f.masks[1 * 3 + 1] && !f.masks[0 * 3 + 2], "the fixture's masks changed");
+    float *pixel = &f.images[1][image + (5 * S + 7) * 3 + 2]; /* sample 1, camera 1, y 5, x 7, channel 2 */
+    *pixel = NAN;
+    CHECK(pi0_sample_actions(f.model, &f.batch, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+              strstr(err.message, "the image of camera 1, sample 1 is nan at (y 5, x 7, channel 2)"), "%s", err.message);
+    *pixel = 0;
+    f.images[2][0] = INFINITY; /* sample 0's masked camera */
+    CHECK(pi0_sample_actions(f.model, &f.batch, out, NULL, &err) == PI0_OK, "%s", err.message);
+    f.state[A + 4] = -INFINITY;
+    CHECK(pi0_sample_actions(f.model, &f.batch, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+              strstr(err.message, "the state of sample 1 is -inf at dim 4"), "%s", err.message);
+    f.state[A + 4] = 0;
+    f.noise[chunk + 3 * A + 9] = NAN;
+    CHECK(pi0_sample_actions(f.model, &f.batch, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+              strstr(err.message, "the noise of sample 1 is nan at step 3, dim 9"), "%s", err.message);
+    free(out);
+    fixture_close(&f);
+    REQUIRE(fixture_open(&f, "pi05_tiny", NULL) == 0);
+    out = malloc(actions_len(&f) * sizeof(float));
+    f.batch.num_steps = 1;
+    f.state[0] = NAN; /* Pi0.5 has no state token */
+    CHECK(pi0_sample_actions(f.model, &f.batch, out, NULL, &err) == PI0_OK, "%s", err.message);
     free(out);
     fixture_close(&f);
 }
@@ -612,12 +740,16 @@ int main(int argc, char **argv) {
     RUN(checkpoint_prefix_and_extra_tensors);
     RUN(checkpoint_not_a_pi0_file);
     RUN(checkpoint_bad_config_json);
+    RUN(checkpoint_claimed_sizes_are_bounded);
+    RUN(dims_file_limits);
+    RUN(weight_sizes_saturate);
     RUN(ragged_batch_equals_single_samples);
     RUN(pi05_ragged_batch_equals_single_samples);
     RUN(pi05_kind_defaults_and_no_state);
     RUN(pi05_lerobot_names);
     RUN(invalid_tokens_do_not_matter);
     RUN(bad_batches_are_rejected);
+    RUN(nonfinite_inputs_are_refused);
     RUN(random_weights_deterministic_and_saveable);
     RUN(full_size_random_inference);
     return check_finish();

@@ -236,6 +236,13 @@ static void test_malformed_files(void) {
         {"{\"norm_stats\": {\"a\": {\"mean\": [1], \"std\": [1]},"
          " \"b\": {\"mean\": [1], \"std\": [1], \"q99\": [1, 2]}}}",
          "norm_stats.b.q99 has 2 values but mean has 1"},
+        /* values the transforms cannot use: refused naming the file, the key and the index */
+        {"{\"norm_stats\": {\"state\": {\"mean\": [1, 2], \"std\": [1, -0.5]}}}",
+         "bad.json: norm_stats.state.std[1] is -0.5"},
+        {"{\"norm_stats\": {\"actions\": {\"mean\": [0, 0], \"std\": [1, 1], \"q01\": [0, 2], \"q99\": [1, 1]}}}",
+         "bad.json: norm_stats.actions.q01[1] is 2 and q99[1] is 1"},
+        {"{\"norm_stats\": {\"state\": {\"mean\": [0], \"std\": [1], \"q01\": [-1e308], \"q99\": [1e308]}}}",
+         "norm_stats.state.q01[0] is -1e+308 and q99[0] is 1e+308: q01 must be <= q99, and q99 - q01 finite"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         pi0_norm_stats s = {.count = 99};

@@ -11,6 +11,7 @@
 
 #include "check.h"
 #include "model/config.h"
+#include "model/model.h"
 #include "policy/adapter.h"
 #include "policy/image.h"
 #include "policy/norm_stats.h"
@@ -697,6 +698,9 @@ TEST(bad_observations_fail_alone) {
     static uint8_t img4[10 * 10 * 4], tiny_img[2 * 2 * 3], flat[100];
     static int32_t img_i32[10 * 10 * 3];
     static float nan_state[8] = {0, 0, NAN, 0, 0, 0, 0, 0}, long_state[33], state_9[9], state_2d[8];
+    /* finite, but (x - mean) / (std + 1e-6) is not finite in float32, the model's input */
+    static float huge_state[8] = {0, 0, 0, 0, 0, 0, 1e38f, 0};
+    static double huge_state_f64[8] = {0, 0, 0, 0, 0, 1e300, 0, 0};
     uint8_t *huge = calloc((size_t)4097 * 2 * 3, 1);
     enum { MAX_CASES = 24 };
     libero_obs o[MAX_CASES];
@@ -729,6 +733,13 @@ TEST(bad_observations_fail_alone) {
     }
     CASE(NULL, NULL); /* good, between bad ones */
     obs_get(CASE("observation/state", "must be finite"), "observation/state")->data = nan_state;
+    obs_get(CASE("\"observation/state\"[6] is 1e+38", "not finite as the model's float32 input"),
+            "observation/state")->data = huge_state;
+    {
+        pi0_field *f = obs_get(CASE("\"observation/state\"[5] is 1e+300", "not finite as the model's float32 input"),
+                               "observation/state");
+        f->dtype = PI0_DTYPE_F64, f->data = huge_state_f64;
+    }
     {
         pi0_field *f = obs_get(CASE("observation/state", "more than the model's action_dim 32"), "observation/state");
         f->shape[0] = 33, f->data = long_state;
@@ -791,6 +802,63 @@ TEST(bad_observations_fail_alone) {
     for (int i = 0; i < n; i++) libero_free(&o[i]);
     free(huge);
     pi0_policy_free(pol);
+}
+
+/* The policy over the libero adapter with the given norm stats (a pi0_tiny-sized Pi0). */
+static pi0_policy *policy_with_stats(const char *stats_json, pi0_error *err) {
+    parts q;
+    pi0_adapter *a = NULL;
+    pi0_policy *pol = NULL;
+    if (parts_open(&q, PI0_MODEL_PI0, 2000)) return NULL;
+    const char *path = test_path("custom_norm_stats.json");
+    write_text(path, stats_json);
+    pi0_norm_stats_free(&q.stats);
+    if (pi0_norm_stats_load(path, &q.stats, err) || pi0_adapter_open("libero", &a, err)) {
+        parts_close(&q);
+        return NULL;
+    }
+    pi0_policy_options opts = {.num_steps = STEPS};
+    pi0_policy_create(q.model, a, q.tok, &q.stats, &opts, &pol, err);
+    return pol;
+}
+
+/* A robot never receives NaN or infinity: actions that are not all finite fail their observation with
+ * PI0_ERR_NUMERIC, whether the model computed them (a NaN weight) or unnormalizing overflowed (finite stats). */
+TEST(nonfinite_actions_fail) {
+    pi0_error err = {0};
+    libero_obs o[2];
+    libero_make(&o[0], 1, "pick it up");
+    libero_make(&o[1], 2, "put it down");
+    const pi0_observation *list[2] = {&o[0].b.obs, &o[1].b.obs};
+    pi0_policy_result r[2];
+
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
+    REQUIRE(pol, "%s", err.message);
+    /* the CPU backend reads the host weights; the Euler steps spread the NaN to every dim */
+    ((pi0_model *)pi0_policy_model(pol))->weights.action_out_b[2] = NAN;
+    REQUIRE(pi0_policy_infer(pol, list, NULL, 2, r, NULL, &err) == PI0_OK, "%s", err.message);
+    for (int i = 0; i < 2; i++) {
+        CHECK(r[i].error.status == PI0_ERR_NUMERIC && !r[i].actions &&
+                  strstr(r[i].error.message, "action step 0, dim 0 is nan (the model gave nan"),
+              "%d: %s", i, r[i].error.message);
+        pi0_policy_result_free(&r[i]);
+    }
+    pi0_policy_free(pol);
+
+    /* x * (std + 1e-6) + mean overflows float64 for any action x above 0.06 */
+    char stats[2048];
+    snprintf(stats, sizeof stats, "{\"norm_stats\": {\"state\": {\"mean\": [0, 0, 0, 0, 0, 0, 0, 0], \"std\": [1, 1, 1, 1, "
+             "1, 1, 1, 1]}, \"actions\": {\"mean\": [%s], \"std\": [%s]}}}",
+             "1.7e308, 1.7e308, 1.7e308, 1.7e308, 1.7e308, 1.7e308, 1.7e308",
+             "1.7e308, 1.7e308, 1.7e308, 1.7e308, 1.7e308, 1.7e308, 1.7e308");
+    pol = policy_with_stats(stats, &err);
+    REQUIRE(pol, "%s", err.message);
+    REQUIRE(pi0_policy_infer(pol, list, NULL, 1, r, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(r[0].error.status == PI0_ERR_NUMERIC && !r[0].actions && strstr(r[0].error.message, "is inf (the model gave"),
+          "%s", r[0].error.message);
+    pi0_policy_result_free(&r[0]);
+    pi0_policy_free(pol);
+    libero_free(&o[0]), libero_free(&o[1]);
 }
 
 /* Token ids beyond the model's vocabulary fail that observation, naming the id and the vocabulary. */
@@ -1128,6 +1196,7 @@ int main(int argc, char **argv) {
     RUN(layouts_and_dtypes_are_equivalent);
     RUN(batch_equals_alone);
     RUN(bad_observations_fail_alone);
+    RUN(nonfinite_actions_fail);
     RUN(token_ids_outside_vocabulary);
     RUN(generic_adapter_runs);
     RUN(pi05_droid_discrete_state_matches_reference);

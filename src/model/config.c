@@ -1,3 +1,8 @@
+/*
+ * config.c - a model's dims from a checkpoint's tensor shapes and its config.json, from a dims file, and
+ * their validation. Shapes and JSON are untrusted: a zero-size tensor may claim any size, so every dim is
+ * bounded (config.h's DIM_MAX_*) before any arithmetic is done with it.
+ */
 #include "model/config.h"
 
 #include <jansson.h>
@@ -51,6 +56,18 @@ static int64_t dim_of(const st_file *f, const char *prefix, const char *name, in
     return t && axis < t->rank ? t->shape[axis] : -1;
 }
 
+/* dim_of as an int in *out (-1: absent), refused past `max` with the tensor and the limit named: a zero-size
+ * tensor may claim any size, and the dims derived from it must not overflow anything computed later. */
+static pi0_status shape_dim(const st_file *f, const char *prefix, const char *name, int axis, int64_t max, int *out,
+                            pi0_error *err) {
+    int64_t size = dim_of(f, prefix, name, axis);
+    if (size > max)
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "tensor %s%s: axis %d has size %lld, over the limit %lld", prefix, name,
+                        axis, (long long)size, (long long)max);
+    *out = (int)size;
+    return PI0_OK;
+}
+
 pi0_model_kind config_model_kind(const st_file *f, const char *prefix) {
     return dim_of(f, prefix, NAME_PI05_NORM, 0) > 0 || dim_of(f, prefix, NAME_PI05_TIME_MLP, 0) > 0 ? PI0_MODEL_PI05
                                                                                                   : PI0_MODEL_PI0;
@@ -80,17 +97,19 @@ static int count_layers(const st_file *f, const char *prefix, const char *root) 
 }
 
 static pi0_status gemma_dims_from_shapes(const st_file *f, const char *prefix, const char *root, const char *what,
-                                         pi0_stack_dims *d, int64_t *q_rows, int64_t *kv_rows, pi0_error *err) {
+                                         pi0_stack_dims *d, int *q_rows, int *kv_rows, pi0_error *err) {
     char name[256];
     d->depth = count_layers(f, prefix, root);
     if (d->depth == 0)
         return pi0_fail(err, PI0_ERR_CHECKPOINT, "no %s layers: missing tensor %s%slayers.0.self_attn.q_proj.weight",
                         what, prefix, root);
-#define SHAPE(suffix, axis) (snprintf(name, sizeof name, "%slayers.0.%s", root, suffix), dim_of(f, prefix, name, axis))
-    d->width = (int)SHAPE("self_attn.q_proj.weight", 1);
-    *q_rows = SHAPE("self_attn.q_proj.weight", 0);
-    *kv_rows = SHAPE("self_attn.k_proj.weight", 0);
-    d->mlp_dim = (int)SHAPE("mlp.gate_proj.weight", 0);
+#define SHAPE(suffix, axis, max, out) \
+    (snprintf(name, sizeof name, "%slayers.0.%s", root, suffix), shape_dim(f, prefix, name, axis, max, out, err))
+    if (SHAPE("self_attn.q_proj.weight", 1, DIM_MAX_WIDTH, &d->width) ||
+        SHAPE("self_attn.q_proj.weight", 0, DIM_MAX_ATTENTION, q_rows) ||
+        SHAPE("self_attn.k_proj.weight", 0, DIM_MAX_ATTENTION, kv_rows) ||
+        SHAPE("mlp.gate_proj.weight", 0, DIM_MAX_MLP, &d->mlp_dim))
+        return err ? err->status : PI0_ERR_CHECKPOINT;
 #undef SHAPE
     if (d->width <= 0 || *q_rows <= 0 || *kv_rows <= 0 || d->mlp_dim <= 0)
         return pi0_fail(err, PI0_ERR_CHECKPOINT,
@@ -125,36 +144,40 @@ static pi0_status stack_from_json(json_t *obj, pi0_stack_dims *d, const char *wh
 }
 
 /* Fills num_heads/head_dim of a Gemma stack when config.json did not: Gemma's head_dim is 256. */
-static pi0_status gemma_heads(pi0_stack_dims *d, int64_t q_rows, int64_t kv_rows, const char *what, pi0_error *err) {
+static pi0_status gemma_heads(pi0_stack_dims *d, int q_rows, int kv_rows, const char *what, pi0_error *err) {
     if (d->head_dim == 0 && q_rows % 256 == 0 && kv_rows % 256 == 0) d->head_dim = 256;
     if (d->head_dim <= 0)
         return pi0_fail(err, PI0_ERR_CHECKPOINT,
-                        "cannot tell %s's head_dim from q_proj (%lld rows): set dims.%s.head_dim in config.json", what,
-                        (long long)q_rows, what);
-    if (d->num_heads == 0) d->num_heads = (int)(q_rows / d->head_dim);
-    if (d->num_kv_heads == 0) d->num_kv_heads = (int)(kv_rows / d->head_dim);
+                        "cannot tell %s's head_dim from q_proj (%d rows): set dims.%s.head_dim in config.json", what,
+                        q_rows, what);
+    if (d->num_heads == 0) d->num_heads = q_rows / d->head_dim;
+    if (d->num_kv_heads == 0) d->num_kv_heads = kv_rows / d->head_dim;
     if ((int64_t)d->num_heads * d->head_dim != q_rows || (int64_t)d->num_kv_heads * d->head_dim != kv_rows)
         return pi0_fail(err, PI0_ERR_CHECKPOINT,
-                        "%s: %d heads x %d head_dim (%d kv heads) do not match q_proj rows %lld / k_proj rows %lld", what,
-                        d->num_heads, d->head_dim, d->num_kv_heads, (long long)q_rows, (long long)kv_rows);
+                        "%s: %d heads x %d head_dim (%d kv heads) do not match q_proj rows %d / k_proj rows %d", what,
+                        d->num_heads, d->head_dim, d->num_kv_heads, q_rows, kv_rows);
     return PI0_OK;
 }
 
 static pi0_status vision_dims(const st_file *f, const char *prefix, pi0_dims *dims, pi0_error *err) {
     pi0_stack_dims *v = &dims->vision;
-    v->width = (int)dim_of(f, prefix, NAME_VISION "embeddings.patch_embedding.weight", 0);
-    dims->patch_size = (int)dim_of(f, prefix, NAME_VISION "embeddings.patch_embedding.weight", 2);
-    int64_t positions = dim_of(f, prefix, NAME_VISION "embeddings.position_embedding.weight", 0);
+    int positions;
+    /* one position per patch of an image of at most DIM_MAX_IMAGE on a side */
+    if (shape_dim(f, prefix, NAME_VISION "embeddings.patch_embedding.weight", 0, DIM_MAX_WIDTH, &v->width, err) ||
+        shape_dim(f, prefix, NAME_VISION "embeddings.patch_embedding.weight", 2, DIM_MAX_IMAGE, &dims->patch_size, err) ||
+        shape_dim(f, prefix, NAME_VISION "embeddings.position_embedding.weight", 0, DIM_MAX_IMAGE * DIM_MAX_IMAGE,
+                  &positions, err) ||
+        shape_dim(f, prefix, NAME_VISION "encoder.layers.0.mlp.fc1.weight", 0, DIM_MAX_MLP, &v->mlp_dim, err))
+        return err ? err->status : PI0_ERR_CHECKPOINT;
     if (v->width <= 0 || dims->patch_size <= 0 || positions <= 0)
         return pi0_fail(err, PI0_ERR_CHECKPOINT, "missing %s" NAME_VISION "embeddings.{patch,position}_embedding.weight",
                         prefix);
-    int64_t grid = (int64_t)llround(sqrt((double)positions));
+    int grid = (int)lround(sqrt((double)positions));
     if (grid * grid != positions)
-        return pi0_fail(err, PI0_ERR_CHECKPOINT, "position_embedding has %lld rows, not a square grid of patches",
-                        (long long)positions);
-    dims->image_size = (int)grid * dims->patch_size;
+        return pi0_fail(err, PI0_ERR_CHECKPOINT, "position_embedding has %d rows, not a square grid of patches",
+                        positions);
+    dims->image_size = grid * dims->patch_size; /* both at most DIM_MAX_IMAGE; dims_validate bounds the product */
     v->depth = count_layers(f, prefix, NAME_VISION "encoder.");
-    v->mlp_dim = (int)dim_of(f, prefix, NAME_VISION "encoder.layers.0.mlp.fc1.weight", 0);
     if (v->depth == 0 || v->mlp_dim <= 0)
         return pi0_fail(err, PI0_ERR_CHECKPOINT, "no vision encoder layers (missing %s" NAME_VISION "encoder.layers.0.*)",
                         prefix);
@@ -190,8 +213,8 @@ static json_t *load_config(const char *path, pi0_error *err) {
     return root;
 }
 
-static pi0_status apply_config(json_t *cfg, const char *path, pi0_dims *dims, int64_t llm_q, int64_t llm_kv,
-                               int64_t exp_q, int64_t exp_kv, pi0_error *err) {
+static pi0_status apply_config(json_t *cfg, const char *path, pi0_dims *dims, int llm_q, int llm_kv, int exp_q,
+                               int exp_kv, pi0_error *err) {
     int action_dim = dims->action_dim;
     if (json_dim(cfg, "action_dim", &action_dim, path, err) || json_dim(cfg, "action_horizon", &dims->action_horizon, path, err) ||
         json_dim(cfg, "max_token_len", &dims->max_token_len, path, err))
@@ -224,13 +247,14 @@ pi0_status config_derive_dims(const st_file *f, const char *prefix, const char *
     dims->max_token_len = dims->kind == PI0_MODEL_PI05 ? 200 : 48; /* openpi's Pi0Config defaults */
     pi0_status st = vision_dims(f, prefix, dims, err);
     if (st) return st;
-    int64_t llm_q, llm_kv, exp_q, exp_kv;
+    int llm_q, llm_kv, exp_q, exp_kv;
     if ((st = gemma_dims_from_shapes(f, prefix, NAME_LLM, "llm", &dims->llm, &llm_q, &llm_kv, err)) ||
-        (st = gemma_dims_from_shapes(f, prefix, NAME_EXPERT, "expert", &dims->expert, &exp_q, &exp_kv, err)))
+        (st = gemma_dims_from_shapes(f, prefix, NAME_EXPERT, "expert", &dims->expert, &exp_q, &exp_kv, err)) ||
+        (st = shape_dim(f, prefix, NAME_EMBEDDING, 0, DIM_MAX_VOCAB, &dims->vocab_size, err)) ||
+        (dims->vocab_size <= 0 &&
+         (st = shape_dim(f, prefix, NAME_TIED_EMBEDDING, 0, DIM_MAX_VOCAB, &dims->vocab_size, err))) ||
+        (st = shape_dim(f, prefix, "action_in_proj.weight", 1, DIM_MAX_ACTION_DIM, &dims->action_dim, err)))
         return st;
-    dims->vocab_size = (int)dim_of(f, prefix, NAME_EMBEDDING, 0);
-    if (dims->vocab_size <= 0) dims->vocab_size = (int)dim_of(f, prefix, NAME_TIED_EMBEDDING, 0);
-    dims->action_dim = (int)dim_of(f, prefix, "action_in_proj.weight", 1);
     if (dims->vocab_size <= 0 || dims->action_dim <= 0)
         return pi0_fail(err, PI0_ERR_CHECKPOINT, "missing %s" NAME_EMBEDDING " (or " NAME_TIED_EMBEDDING
                         ") or %saction_in_proj.weight", prefix, prefix);
@@ -244,21 +268,52 @@ pi0_status config_derive_dims(const st_file *f, const char *prefix, const char *
     return st ? st : dims_validate(dims, err);
 }
 
+/* A dim (or a product of dims, in 64 bits) named `what`.`name`, which must lie in 1..max. */
+typedef struct {
+    const char *name;
+    int64_t value, max;
+} dim_limit;
+
+static pi0_status check_limits(const dim_limit *limits, int count, const char *what, pi0_error *err) {
+    for (int i = 0; i < count; i++)
+        if (limits[i].value < 1 || limits[i].value > limits[i].max)
+            return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s%s%s is %lld, outside the limits 1..%lld", what,
+                            what[0] ? "." : "", limits[i].name, (long long)limits[i].value, (long long)limits[i].max);
+    return PI0_OK;
+}
+
 static pi0_status stack_validate(const pi0_stack_dims *d, const char *what, pi0_error *err) {
-    if (d->width <= 0 || d->depth <= 0 || d->mlp_dim <= 0 || d->num_heads <= 0 || d->num_kv_heads <= 0 || d->head_dim <= 0)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s dims must all be positive", what);
+    const dim_limit limits[] = {
+        {"width", d->width, DIM_MAX_WIDTH},
+        {"depth", d->depth, DIM_MAX_DEPTH},
+        {"mlp_dim", d->mlp_dim, DIM_MAX_MLP},
+        {"num_heads", d->num_heads, DIM_MAX_HEADS},
+        {"num_kv_heads", d->num_kv_heads, DIM_MAX_HEADS},
+        {"head_dim", d->head_dim, DIM_MAX_HEAD_DIM},
+        {"num_heads x head_dim", (int64_t)d->num_heads * d->head_dim, DIM_MAX_ATTENTION},
+        {"width x mlp_dim", (int64_t)d->width * d->mlp_dim, DIM_MAX_MLP_WEIGHTS},
+    };
+    pi0_status st = check_limits(limits, (int)(sizeof limits / sizeof limits[0]), what, err);
+    if (st) return st;
     if (d->num_heads % d->num_kv_heads)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s: %d heads are not a multiple of %d kv heads", what,
                         d->num_heads, d->num_kv_heads);
-    if ((int64_t)d->width * d->mlp_dim > ((int64_t)1 << 34) || d->width > (1 << 16) || d->depth > 1024)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s dims are implausibly large", what);
     return PI0_OK;
 }
 
 pi0_status dims_validate(const pi0_dims *d, pi0_error *err) {
+    const dim_limit limits[] = {
+        {"patch_size", d->patch_size, DIM_MAX_IMAGE},
+        {"image_size", d->image_size, DIM_MAX_IMAGE},
+        {"vocab_size", d->vocab_size, DIM_MAX_VOCAB},
+        {"action_dim", d->action_dim, DIM_MAX_ACTION_DIM},
+        {"action_horizon", d->action_horizon, PI0_MAX_HORIZON},
+        {"max_token_len", d->max_token_len, PI0_MAX_PROMPT_LEN},
+    };
     pi0_status st;
     if ((st = stack_validate(&d->vision, "vision", err)) || (st = stack_validate(&d->llm, "llm", err)) ||
-        (st = stack_validate(&d->expert, "expert", err)))
+        (st = stack_validate(&d->expert, "expert", err)) ||
+        (st = check_limits(limits, (int)(sizeof limits / sizeof limits[0]), "", err)))
         return st;
     if (d->vision.num_heads * d->vision.head_dim != d->vision.width)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "vision heads x head_dim must equal its width");
@@ -267,12 +322,9 @@ pi0_status dims_validate(const pi0_dims *d, pi0_error *err) {
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT,
                         "the LLM and the action expert must share heads, kv heads and head_dim (joint attention)");
     if (d->llm.head_dim % 2) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "head_dim must be even for RoPE");
-    if (d->patch_size <= 0 || d->image_size <= 0 || d->image_size % d->patch_size || d->image_size > 4096)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "image_size %d must be a positive multiple of patch_size %d",
+    if (d->image_size % d->patch_size)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "image_size %d must be a multiple of patch_size %d",
                         d->image_size, d->patch_size);
-    if (d->vocab_size <= 0 || d->action_dim <= 0 || d->action_horizon <= 0 || d->max_token_len <= 0 ||
-        d->vocab_size > (1 << 24) || d->action_dim > 4096 || d->action_horizon > 4096 || d->max_token_len > 65536)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "vocab, action_dim, action_horizon and max_token_len must be positive and sane");
     return PI0_OK;
 }
 

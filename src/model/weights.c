@@ -1,3 +1,8 @@
+/*
+ * weights.c - the table of every tensor for given dims (weights.h), the arena that holds them, and their
+ * deterministic random initialisation. Sizes are products of dims that came from files: they are computed
+ * with overflow checks (saturating), so an absurd size fails the allocation instead of wrapping around.
+ */
 #include "model/weights.h"
 
 #include <math.h>
@@ -40,7 +45,7 @@ static void add(spec_list *list, float **slot, weight_init init, int rank, const
     s->numel = 1;
     for (int i = 0; i < rank; i++) {
         s->shape[i] = shape[i];
-        s->numel *= (uint64_t)shape[i];
+        if (__builtin_mul_overflow(s->numel, (uint64_t)shape[i], &s->numel)) s->numel = UINT64_MAX;
     }
     s->part = list->part;
     s->init = init;
@@ -160,10 +165,18 @@ int weights_specs(const pi0_dims *dims, pi0_weights *w, weight_spec **specs) {
     return list.count;
 }
 
+/* Floats a tensor takes in the arena, saturating at UINT64_MAX. */
+static uint64_t arena_floats(uint64_t numel) {
+    return numel > UINT64_MAX - ARENA_ALIGN ? UINT64_MAX : (numel + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
+}
+
 pi0_status weights_alloc(pi0_weights *w, const weight_spec *specs, int count, pi0_error *err) {
+    const size_t page = 2 << 20;
     uint64_t total = 0;
-    for (int i = 0; i < count; i++) total += (specs[i].numel + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
-    if (total > SIZE_MAX / sizeof(float) || !(w->arena = aligned_alloc(2 << 20, ((size_t)total * sizeof(float) + (2 << 20) - 1) / (2 << 20) * (2 << 20))))
+    for (int i = 0; i < count; i++)
+        if (__builtin_add_overflow(total, arena_floats(specs[i].numel), &total)) total = UINT64_MAX;
+    if (total > (SIZE_MAX - page) / sizeof(float) ||
+        !(w->arena = aligned_alloc(page, ((size_t)total * sizeof(float) + page - 1) / page * page)))
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate %.2f GB for float32 weights",
                         (double)total * sizeof(float) / 1e9);
     /* huge pages: faulting in gigabytes of weights 4 KB at a time costs seconds */
@@ -171,7 +184,7 @@ pi0_status weights_alloc(pi0_weights *w, const weight_spec *specs, int count, pi
     uint64_t offset = 0;
     for (int i = 0; i < count; i++) {
         *specs[i].slot = w->arena + offset;
-        offset += (specs[i].numel + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
+        offset += arena_floats(specs[i].numel);
     }
     return PI0_OK;
 }

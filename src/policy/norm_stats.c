@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,8 +61,25 @@ static void entry_free(pi0_norm_entry *e) {
     memset(e, 0, sizeof *e);
 }
 
-/* One NormStats: mean and std required, q01/q99 optional, all the same length; other fields are ignored
- * like pydantic does. */
+/* Stats the transforms can use: std >= 0 and q01 <= q99 with q99 - q01 finite, so that the scale each transform
+ * divides or multiplies by (std + 1e-6, q99 - q01 + 1e-6) is positive and finite. Every value is already finite
+ * (jansson refuses a number that overflows a double), but a difference can still overflow. openpi would take
+ * anything and answer NaN or a sign-flipped action; a robot must not. */
+static pi0_status check_entry(const char *path, const pi0_norm_entry *e, pi0_error *err) {
+    for (int i = 0; i < e->dim; i++) {
+        if (!(e->std[i] >= 0))
+            return pi0_fail(err, PI0_ERR_FORMAT, "%s: norm_stats.%s.std[%d] is %g: a standard deviation must be >= 0",
+                            path, e->key, i, e->std[i]);
+        if (e->q01 && e->q99 && !(e->q01[i] <= e->q99[i] && isfinite(e->q99[i] - e->q01[i])))
+            return pi0_fail(err, PI0_ERR_FORMAT,
+                            "%s: norm_stats.%s.q01[%d] is %g and q99[%d] is %g: q01 must be <= q99, and q99 - q01 finite",
+                            path, e->key, i, e->q01[i], i, e->q99[i]);
+    }
+    return PI0_OK;
+}
+
+/* One NormStats: mean and std required, q01/q99 optional, all the same length; other fields are ignored like
+ * pydantic does. */
 static pi0_status parse_entry(const char *path, const char *key, json_t *obj, pi0_norm_entry *e, pi0_error *err) {
     if (!json_is_object(obj))
         return pi0_fail(err, PI0_ERR_FORMAT, "%s: norm_stats.%s is %s, not an object", path, key, json_kind(obj));
@@ -79,7 +97,7 @@ static pi0_status parse_entry(const char *path, const char *key, json_t *obj, pi
             return pi0_fail(err, PI0_ERR_FORMAT, "%s: norm_stats.%s.%s has %d values but mean has %d", path, key,
                             fields[f], dim, e->dim);
     }
-    return PI0_OK;
+    return check_entry(path, e, err);
 }
 
 static pi0_status parse_root(const char *path, json_t *root, pi0_norm_stats *out, pi0_error *err) {

@@ -3,7 +3,8 @@
  *
  * File format (openpi/shared/normalize.py):
  *   {"norm_stats": {"state": {"mean": [...], "std": [...], "q01": [...], "q99": [...]}, "actions": {...}}}
- * q01/q99 may be absent (or null); keys other than "state" and "actions" are kept by name.
+ * q01/q99 may be absent (or null); keys other than "state" and "actions" are kept by name. A negative std, a
+ * q01 above its q99 or a q99 - q01 that overflows is refused at load, naming the file, the key and the index.
  *
  * Precision: openpi loads the stats as float64 arrays and numpy promotes the float32 vectors to float64, so
  * every formula here runs in double on double stats and only the result is rounded to float.

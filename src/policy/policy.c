@@ -402,6 +402,28 @@ static double element(const pi0_field *f, int64_t k) {
     return NAN;
 }
 
+/* Value i of the concatenated state: its field, and in *j its index there. */
+static const pi0_field *state_field_of(const pi0_field *const *fields, int count, int i, int64_t *j) {
+    int k = 0;
+    for (*j = i; k < count - 1 && *j >= pi0_field_numel(fields[k]); k++) *j -= pi0_field_numel(fields[k]);
+    return fields[k];
+}
+
+/* The model takes the normalized state in float32: a finite state far outside its norm stats (1e38 against a
+ * std of 0.1) overflows there, and would come out as NaN actions. */
+static pi0_status check_state_range(const pi0_field *const *fields, int count, const double *normalized,
+                                    const float *rounded, int n, pi0_error *err) {
+    for (int i = 0; i < n; i++) {
+        if (isfinite(rounded[i])) continue;
+        int64_t j;
+        const pi0_field *f = state_field_of(fields, count, i, &j);
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\"[%lld] is %g, which normalizes to %g: not finite as the "
+                        "model's float32 input (is the state in the units of the norm stats?)", f->key, (long long)j,
+                        element(f, j), normalized[i]);
+    }
+    return PI0_OK;
+}
+
 /* The adapter's state keys concatenated and normalized (openpi's Normalize, in float64) into p->state_f64
  * (*n values); then rounded to float32 and zero-padded to A for the model. */
 static pi0_status prepare_state(pi0_policy *p, const pi0_observation *obs, float *out, int *n, pi0_error *err) {
@@ -439,6 +461,7 @@ static pi0_status prepare_state(pi0_policy *p, const pi0_observation *obs, float
     pi0_status st = pi0_normalize(e, p->mode, values, values, i, err);
     if (st) return st;
     for (int j = 0; j < i; j++) out[j] = (float)p->state_f64[j];
+    if ((st = check_state_range(fields, a->num_state_keys, p->state_f64, out, i, err))) return st;
     for (int j = i; j < A; j++) out[j] = 0.0f; /* PadStatesAndActions */
     *n = i;
     return PI0_OK;
@@ -543,6 +566,19 @@ static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
     return PI0_OK;
 }
 
+/* A robot must never receive NaN or infinity: observation v's actions (R of each of H steps, unnormalized from
+ * the model's `raw` rows of A) must all be finite. The message says which step and dim, and whether the model
+ * computed it or unnormalizing did (norm stats "actions" large enough to overflow). */
+static pi0_status check_actions(const float *raw, int A, const double *actions, int H, int R, pi0_error *err) {
+    for (int k = 0; k < H * R; k++) {
+        int t = k / R, i = k % R;
+        if (!isfinite(actions[k]))
+            return pi0_fail(err, PI0_ERR_NUMERIC, "action step %d, dim %d is %g (the model gave %g, then unnormalized): "
+                            "actions must be finite", t, i, actions[k], raw[(size_t)t * A + i]);
+    }
+    return PI0_OK;
+}
+
 void pi0_policy_result_free(pi0_policy_result *r) {
     if (!r) return;
     free(r->actions);
@@ -615,6 +651,8 @@ pi0_status pi0_policy_infer(pi0_policy *p, const pi0_observation *const *obs, co
                     free(r->actions), r->actions = NULL;
                     break;
                 }
+            if (r->actions && check_actions(p->actions + v * chunk, A, r->actions, H, R, &r->error))
+                free(r->actions), r->actions = NULL;
         }
     }
     if (infer_ms) *infer_ms = pi0_now_ms() - t0;

@@ -12,6 +12,7 @@ const char *pi0_status_name(pi0_status status) {
     case PI0_ERR_CHECKPOINT: return "checkpoint mismatch";
     case PI0_ERR_OUT_OF_MEMORY: return "out of memory";
     case PI0_ERR_BACKEND: return "backend error";
+    case PI0_ERR_NUMERIC: return "numerical error";
     }
     return "unknown error";
 }
