@@ -6,6 +6,8 @@
 #   make test       every CPU test (and a compile of every CUDA source when nvcc is present)
 #   make test-asan  the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer
 #   make test-gpu   the GPU tests (needs nvcc and a GPU)
+#   make fuzz       the libFuzzer harnesses of tests/fuzz/, built with clang + ASan + UBSan (build-fuzz/fuzz/)
+#   make fuzz-smoke each harness for FUZZ_SECONDS (default 30) from its seed corpus; fails on any finding
 #
 # Dependencies: OpenBLAS (GEMMs) and jansson (JSON), found through pkg-config; override
 # BLAS_CFLAGS/BLAS_LIBS/JSON_CFLAGS/JSON_LIBS to point elsewhere. CUDA is used when nvcc is found.
@@ -61,10 +63,13 @@ LIB_SRC = $(wildcard src/*.c src/util/*.c src/io/*.c src/model/*.c src/cpu/*.c s
 CLI_SRC = $(filter-out $(SERVER_CLI_SRC),$(wildcard cli/*.c))
 TEST_SRC = $(filter-out $(SERVER_TEST_SRC),$(wildcard tests/test_*.c))
 TOOL_SRC = $(filter-out $(SERVER_TOOL_SRC),$(wildcard tests/*_tool.c))
+SERVER_FUZZ_SRC = $(wildcard tests/fuzz/fuzz_msgpack.c)
+FUZZ_SRC = $(filter-out $(SERVER_FUZZ_SRC),$(wildcard tests/fuzz/fuzz_*.c))
 ifeq ($(WITH_SERVER),1)
 CLI_SRC += $(SERVER_CLI_SRC)
 TEST_SRC += $(SERVER_TEST_SRC)
 TOOL_SRC += $(SERVER_TOOL_SRC)
+FUZZ_SRC += $(SERVER_FUZZ_SRC)
 CFLAGS_ALL += -DPI0_WITH_SERVER $(SERVER_CFLAGS)
 endif
 
@@ -96,9 +101,10 @@ SERVER_ARCHIVE = $(if $(SERVER_OBJ),$(BUILD)/libpi0_server.a)
 PROGRAM_LIBS = $(SERVER_ARCHIVE) $(BUILD)/libpi0.a $(LDLIBS_ALL) $(if $(SERVER_OBJ),$(SERVER_LIBS))
 TEST_BIN = $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 TOOL_BIN = $(patsubst tests/%.c,$(BUILD)/tests/%,$(TOOL_SRC))
+FUZZ_BIN = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 CONFIG = $(BUILD)/config.txt
 
-.PHONY: all run test test-asan test-gpu deps install clean FORCE
+.PHONY: all run test test-asan test-gpu fuzz fuzz-programs fuzz-smoke deps install clean FORCE
 all: $(BUILD)/libpi0.a $(BUILD)/libpi0.so $(BUILD)/pi0
 
 # What a build was made with; rewritten only when it changes, so that depending on it is cheap.
@@ -163,6 +169,23 @@ test-gpu: $(GPU_TEST_BIN) $(LAB_BIN) $(BUILD)/pi0
 test-asan:
 	$(MAKE) BUILD=build-asan OPT=-O1 SANITIZE="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test
 
+# The fuzzers: the library (CPU backend) and the harnesses built by clang with libFuzzer's coverage, ASan and UBSan
+# (-Wno-pass-failed: clang reports the `omp simd` loops it cannot vectorize in sanitized code, an error with -Werror).
+# Each harness writes its own seed corpus; tests/fuzz/smoke.sh says how to run one longer.
+FUZZ_SECONDS ?= 30
+fuzz:
+	$(MAKE) BUILD=build-fuzz CC=clang NVCC= OPT=-O1 CFLAGS="-Wno-pass-failed $(CFLAGS)" \
+	  SANITIZE="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" fuzz-programs
+
+fuzz-programs: $(FUZZ_BIN)
+
+$(BUILD)/fuzz/%: tests/fuzz/%.c tests/fuzz/fuzz.h $(BUILD)/libpi0.a $(SERVER_ARCHIVE) $(CONFIG)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -fsanitize=fuzzer -Itests/fuzz -MMD -MP -o $@ $< $(PROGRAM_LIBS)
+
+fuzz-smoke: fuzz
+	tests/fuzz/smoke.sh build-fuzz/fuzz $(FUZZ_SECONDS)
+
 # make install PREFIX=DIR: the headers, both libraries, a pkg-config file, the pi0 command and the
 # converter it runs; a C program then builds with `cc prog.c $$(pkg-config --cflags --libs pi0)`.
 PREFIX ?= /usr/local
@@ -182,9 +205,10 @@ install: all
 	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/pi0.pc
 
 clean:
-	rm -rf build build-asan
+	rm -rf build build-asan build-fuzz
 
--include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(SERVER_OBJ:.o=.d) $(TEST_BIN:=.d) $(TOOL_BIN:=.d) $(GPU_TEST_BIN:=.d) $(LAB_BIN:=.d)
+-include $(LIB_OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(SERVER_OBJ:.o=.d) $(TEST_BIN:=.d) $(TOOL_BIN:=.d) $(GPU_TEST_BIN:=.d) $(LAB_BIN:=.d) \
+         $(FUZZ_BIN:=.d)
 endif
 
 # Installs what the build and the tests need: the Debian packages (when missing; with sudo when not

@@ -117,7 +117,7 @@ PI0_API pi0_dims pi0_dims_pi05(void);
 
 typedef struct {
     pi0_backend backend;
-    int num_threads; /* CPU backend threads; 0 = one per core. Other backends leave the process's
+    int num_threads; /* CPU backend threads; 0 (or negative) = one per core. Other backends leave the process's
                         thread settings (OpenMP, OpenBLAS) alone. */
     /* Called during loading with a stage name and progress in bytes; may be NULL. */
     void (*progress)(void *user, const char *stage, uint64_t done, uint64_t total);

@@ -157,8 +157,9 @@ uint64_t pi0_model_num_params(const pi0_model *m) {
 }
 
 /* A NaN or infinity the model reads would come out as NaN actions: refused, naming the input and where it is.
- * Only what the model reads is scanned (the valid cameras' images, Pi0's state, the caller's noise); a scan
- * of the whole batch costs well under 1% of its inference. */
+ * Only what the model reads is scanned (the valid cameras' images, Pi0's state, the caller's noise). On our
+ * 2-core CI machine a sample of three cameras takes 0.06 ms in cache (the policy's images, just written) and
+ * 0.27 ms from memory: nothing next to the CPU backend's inference (20 s at the real size), 0.5-2% of a GPU's. */
 static pi0_status check_finite_inputs(const pi0_dims *d, const pi0_batch *b, int horizon, pi0_error *err) {
     size_t S = (size_t)d->image_size, A = (size_t)d->action_dim, image = S * S * 3, chunk = (size_t)horizon * A, at;
     for (int s = 0; s < b->batch; s++) {

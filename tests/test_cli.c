@@ -63,14 +63,14 @@ TEST(sample_pi0_tiny_h50) { sample_matches_fixture("pi0_tiny_h50"); }
 TEST(sample_pi05_tiny) { sample_matches_fixture("pi05_tiny"); }
 TEST(sample_pi05_tiny_h50) { sample_matches_fixture("pi05_tiny_h50"); }
 
-/* Writes an inputs file from the fixture's io with one tensor replaced (or dropped when data == NULL). */
-static void write_inputs_with(const char *path, const char *replace, st_dtype dtype, int rank, const int64_t *shape,
-                              const void *data) {
-    char io_path[1024];
-    snprintf(io_path, sizeof io_path, "%s/pi0_tiny/io.safetensors", fixtures_dir());
+/* Writes a copy of the fixtures' file `leaf` to `path` with one tensor replaced (or dropped when data == NULL). */
+static void write_fixture_with(const char *leaf, const char *path, const char *replace, st_dtype dtype, int rank,
+                               const int64_t *shape, const void *data) {
+    char from[1024];
+    snprintf(from, sizeof from, "%s/%s", fixtures_dir(), leaf);
     st_file io;
     pi0_error err = {0};
-    if (st_open(io_path, &io, &err)) return;
+    if (st_open(from, &io, &err)) return;
     st_writer w;
     st_writer_init(&w);
     for (int i = 0; i < io.num_tensors; i++) {
@@ -89,27 +89,27 @@ TEST(sample_bad_inputs) {
     snprintf(out, sizeof out, "%s", test_path("bad_out.safetensors"));
     snprintf(ckpt, sizeof ckpt, "%s/pi0_tiny", fixtures_dir());
     static float small_image[2 * 100 * 100 * 3];
-    write_inputs_with(in, "image/base_0_rgb", ST_F32, 4, (int64_t[]){2, 100, 100, 3}, small_image);
+    write_fixture_with("pi0_tiny/io.safetensors", in, "image/base_0_rgb", ST_F32, 4, (int64_t[]){2, 100, 100, 3}, small_image);
     CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
               strstr(last_stderr(), "image/base_0_rgb") && strstr(last_stderr(), "[2, 100, 100, 3]"),
           "%s", last_stderr());
     int32_t ids[2 * 16];
     for (int i = 0; i < 32; i++) ids[i] = 100000; /* beyond the 512-token vocabulary */
-    write_inputs_with(in, "tokenized_prompt", ST_I32, 2, (int64_t[]){2, 16}, ids);
+    write_fixture_with("pi0_tiny/io.safetensors", in, "tokenized_prompt", ST_I32, 2, (int64_t[]){2, 16}, ids);
     CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
               strstr(last_stderr(), "100000") && strstr(last_stderr(), "vocabulary"),
           "%s", last_stderr());
     /* a noise of horizon 0: refused, since 0 in pi0_batch.horizon means the model's default (10 steps) */
     static float no_noise[1];
-    write_inputs_with(in, "noise", ST_F32, 3, (int64_t[]){2, 0, 32}, no_noise);
+    write_fixture_with("pi0_tiny/io.safetensors", in, "noise", ST_F32, 3, (int64_t[]){2, 0, 32}, no_noise);
     CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
               strstr(last_stderr(), "input noise has shape [2, 0, 32]: its horizon (axis 1) must be in 1..4096"),
           "%s", last_stderr());
     static float nan_noise[2 * 10 * 32] = {[2 * 10 * 32 - 1] = NAN};
-    write_inputs_with(in, "noise", ST_F32, 3, (int64_t[]){2, 10, 32}, nan_noise);
+    write_fixture_with("pi0_tiny/io.safetensors", in, "noise", ST_F32, 3, (int64_t[]){2, 10, 32}, nan_noise);
     CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
               strstr(last_stderr(), "the noise of sample 1 is nan at step 9, dim 31"), "%s", last_stderr());
-    write_inputs_with(in, "state", ST_F32, 0, NULL, NULL);
+    write_fixture_with("pi0_tiny/io.safetensors", in, "state", ST_F32, 0, NULL, NULL);
     CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --quiet", ckpt, in, out) == 1 &&
               strstr(last_stderr(), "state"), "%s", last_stderr());
     FILE *f = fopen(in, "w");
@@ -119,6 +119,23 @@ TEST(sample_bad_inputs) {
               strstr(last_stderr(), "error:"), "%s", last_stderr());
     CHECK(run_pi0(NULL, 0, "sample --checkpoint /nonexistent --inputs %s --output %s --quiet", in, out) == 1 &&
               strstr(last_stderr(), "/nonexistent"), "%s", last_stderr());
+}
+
+/* A checkpoint whose weights give NaN actions: pi0 sample refuses to write them, naming where they are. */
+TEST(sample_refuses_nonfinite_actions) {
+    char dir[512], inputs[1024], out[600], cmd[2048];
+    snprintf(dir, sizeof dir, "%s", test_path("nan_checkpoint"));
+    snprintf(inputs, sizeof inputs, "%s/pi0_tiny/io.safetensors", fixtures_dir());
+    snprintf(out, sizeof out, "%s/actions.safetensors", dir);
+    snprintf(cmd, sizeof cmd, "mkdir -p %s && cp %s/pi0_tiny/config.json %s/", dir, fixtures_dir(), dir);
+    REQUIRE(system(cmd) == 0);
+    static float bias[32] = {[5] = NAN}; /* the Euler steps spread it to every dim */
+    char model[600];
+    snprintf(model, sizeof model, "%s/model.safetensors", dir);
+    write_fixture_with("pi0_tiny/model.safetensors", model, "action_out_proj.bias", ST_F32, 1, (int64_t[]){32}, bias);
+    CHECK(run_pi0(NULL, 0, "sample --checkpoint %s --inputs %s --output %s --steps 1 --quiet", dir, inputs, out) == 1 &&
+              strstr(last_stderr(), "the actions of sample 0 are nan at step 0, dim 5: not writing") && access(out, F_OK),
+          "%s", last_stderr());
 }
 
 static json_t *run_json(const char *fmt, const char *arg1, const char *arg2) {
@@ -212,6 +229,7 @@ int main(int argc, char **argv) {
     RUN(sample_pi05_tiny);
     RUN(sample_pi05_tiny_h50);
     RUN(sample_bad_inputs);
+    RUN(sample_refuses_nonfinite_actions);
     RUN(inspect_fixture);
     RUN(init_then_bench_json);
     RUN(init_and_bench_pi05);

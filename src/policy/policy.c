@@ -566,9 +566,9 @@ static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
     return PI0_OK;
 }
 
-/* A robot must never receive NaN or infinity: observation v's actions (R of each of H steps, unnormalized from
- * the model's `raw` rows of A) must all be finite. The message says which step and dim, and whether the model
- * computed it or unnormalizing did (norm stats "actions" large enough to overflow). */
+/* A robot must never receive NaN or infinity: an observation's actions (R of each of H steps, unnormalized from
+ * the model's `raw` rows of A floats) must all be finite. The message names the step and dim, and the model's
+ * value: finite there means unnormalizing overflowed (norm stats "actions" too large), else the model did. */
 static pi0_status check_actions(const float *raw, int A, const double *actions, int H, int R, pi0_error *err) {
     for (int k = 0; k < H * R; k++) {
         int t = k / R, i = k % R;

@@ -1132,6 +1132,7 @@ static size_t final_prefix(const pi0_tokenizer *tok, const char *text, size_t le
  * and what follows its last barrier in reach is left out). */
 static pi0_status encode_chunks(const pi0_tokenizer *tok, const char *text, size_t length,
                                 int complete, size_t enough, id_sink *sink, pi0_error *err) {
+    if (length == 0) return PI0_OK; /* no ids; and `text` may be NULL, an empty buffer */
     size_t known = complete ? length : final_prefix(tok, text, length);
     size_t decided = complete ? length : known > tok->lookahead ? known - tok->lookahead : 0;
     size_t start = 0, prev = 0, pos = 0;
