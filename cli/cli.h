@@ -44,6 +44,10 @@ const int_flag *int_flag_value(int argc, char **argv, int *i, const int_flag *fl
 /* The usage error for a bad int_flag value ("--steps takes an integer in 1..10000"). */
 int int_flag_error(const char *cmd, const int_flag *flag);
 
+/* The process's resident anonymous memory (RssAnon of /proc/self/status: its own allocations, not the page
+ * cache or mapped files); 0 where unknown. */
+uint64_t host_anon_bytes(void);
+
 /* A load-progress callback printing whole percents to stderr. */
 void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total);
 

@@ -54,6 +54,16 @@ int int_flag_error(const char *cmd, const int_flag *flag) {
     return usage_error(cmd, "%s takes an integer in %lld..%lld", flag->name, flag->min, flag->max);
 }
 
+uint64_t host_anon_bytes(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    unsigned long long kb = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "RssAnon: %llu kB", &kb) == 1) break;
+    if (f) fclose(f);
+    return (uint64_t)kb * 1024;
+}
+
 void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total) {
     int *last_percent = user;
     int percent = total ? (int)(done * 100 / total) : 100;

@@ -7,6 +7,7 @@
  * skinny.cu fuses the norms and gelu x up into its Linears; these kernels serve every other shape.
  */
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "cuda/device.cuh"
 #include "cuda/kernels.h"
@@ -123,6 +124,26 @@ static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const
 static __global__ void one_plus_bf16_kernel(__nv_bfloat16 *out, const float *scale, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         out[i] = __float2bfloat16(1.0f + scale[i]);
+}
+
+/* util/half.h's f32_to_bf16, bit for bit (NaN included), and its widenings. */
+static __device__ __forceinline__ uint16_t bf16_bits_rne(float x) {
+    uint32_t bits = __float_as_uint(x);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static __global__ void weight_rows_kernel(uint16_t *dst, size_t pitch, const void *src, int src_type, size_t rows,
+                                          size_t cols, const float *fold) {
+    size_t n = rows * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / cols, c = i - r * cols;
+        float x = src_type == 0   ? ((const float *)src)[i]
+                  : src_type == 1 ? __uint_as_float((uint32_t)((const uint16_t *)src)[i] << 16)
+                                  : __half2float(((const __half *)src)[i]);
+        if (fold) x = __fmul_rn(x, __fadd_rn(1.0f, fold[c])); /* as the host would: no fused multiply-add */
+        dst[r * pitch * cols + c] = bf16_bits_rne(x);
+    }
 }
 
 static __global__ void add_gated_kernel(float *x, const float *y, const float *gate, size_t n, int dim) {
@@ -275,6 +296,13 @@ cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_r
 
 cudaError_t pi0_cuda_one_plus_bf16(pi0_bf16 *out, const float *scale, size_t n, cudaStream_t stream) {
     if (n) one_plus_bf16_kernel<<<grid_for(n, 256), 256, 0, stream>>>(as_bf16(out), scale, n);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_weight_rows(pi0_bf16 *dst, size_t pitch, const void *src, int src_type, size_t rows, size_t cols,
+                                 const float *fold, cudaStream_t stream) {
+    size_t n = rows * cols;
+    if (n) weight_rows_kernel<<<grid_for(n, 256), 256, 0, stream>>>(dst, pitch, src, src_type, rows, cols, fold);
     return cudaGetLastError();
 }
 

@@ -72,6 +72,13 @@ cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, co
 cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
                                      int batch, int horizon, int width, cudaStream_t stream);
 
+/* Load time: `rows` rows of `cols` checkpoint values (src_type 0: float32, 1: bfloat16, 2: float16) to bf16
+ * rows `pitch` rows apart in dst (pitch 2 interleaves two tensors), each value first multiplied by
+ * 1 + fold[col] in float32 when fold is not NULL; rounded as util/half.h's f32_to_bf16, so a bf16
+ * checkpoint's weights arrive bit for bit. */
+cudaError_t pi0_cuda_weight_rows(pi0_bf16 *dst, size_t pitch, const void *src, int src_type, size_t rows, size_t cols,
+                                 const float *fold, cudaStream_t stream);
+
 /* Keeps the GPU busy for about `microseconds`: queued before a timed run, it lets the host enqueue
  * every repetition first, so the events measure GPU time rather than launch overhead. */
 cudaError_t pi0_cuda_spin(int microseconds, cudaStream_t stream);

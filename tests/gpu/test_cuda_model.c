@@ -320,19 +320,23 @@ TEST(graph_replay_equals_eager_and_repeats) {
     io_close(&f);
 }
 
-/* More shapes than the cache holds, alternating: each result stays what it was the first time. */
+/* More shapes than the cache holds (PI0_CUDA_MAX_GRAPHS=4), alternating step counts and batch sizes (the
+ * workspace grows, dropping the graphs made so far): each result stays what it was the first time. */
 TEST(graph_cache_many_shapes) {
     fixture_io f;
     REQUIRE(io_open(&f, "pi0_tiny") == 0);
+    setenv("PI0_CUDA_MAX_GRAPHS", "4", 1);
     pi0_model *m = load("pi0_tiny", PI0_BACKEND_CUDA);
+    unsetenv("PI0_CUDA_MAX_GRAPHS");
     REQUIRE(m);
-    enum { SHAPES = MAX_GRAPHS + 3 };
+    enum { SHAPES = 7 };
     float *first[SHAPES];
     pi0_error err = {0};
     for (int round = 0; round < 2; round++)
         for (int sh = 0; sh < SHAPES; sh++) {
             pi0_batch b = f.batch;
-            b.num_steps = 1 + sh; /* each step count is its own graph */
+            b.num_steps = 1 + sh; /* each step count is its own graph and its own step tables */
+            b.batch = 1 + sh % 2; /* the workspace grows for the second sample */
             float *out = malloc(actions_len(&b) * 4);
             REQUIRE(pi0_sample_actions(m, &b, out, NULL, &err) == PI0_OK, "%s", err.message);
             if (round == 0) first[sh] = out;
