@@ -132,12 +132,16 @@ int cmd_serve(int argc, char **argv) {
         pi0_policy_free(policy);
         return run_error("serve", &err);
     }
-    if (!quiet)
-        fprintf(stderr, "pi0 serve: %s on %s ready in %.1f s (load %.1f s, warm-up of batches 1..%lld %.1f s: %llu "
-                "shapes prepared), host memory %.2f GB, GPU memory %.2f GB\n",
+    if (!quiet) {
+        char warm[160] = "";
+        if (pi0_model_graph_captures(model))
+            snprintf(warm, sizeof warm, ", warm-up %.1f s: %llu batch shapes for 1..%lld requests", warmup_s,
+                     (unsigned long long)pi0_model_graph_captures(model), max_batch);
+        fprintf(stderr, "pi0 serve: %s on %s ready in %.1f s (load %.1f s%s); host memory %.2f GB, GPU memory %.2f GB\n",
                 pi0_model_kind_name(pi0_model_dims(model)->kind), pi0_backend_name(pi0_model_backend(model)),
-                load_s + warmup_s, load_s, max_batch, warmup_s, (unsigned long long)pi0_model_graph_captures(model),
-                (double)host_anon_bytes() / 1e9, (double)pi0_model_device_memory(model) / 1e9);
+                load_s + warmup_s, load_s, warm, (double)host_anon_bytes() / 1e9,
+                (double)pi0_model_device_memory(model) / 1e9);
+    }
 
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);

@@ -107,7 +107,7 @@ static pi0_status stream_one(cuda_state *s, const pi0_model *m, loader *ld, pi0_
     const float *fold = NULL;
     if (p->fold) {
         if (cols > ld->fold_cap) return pi0_fail(err, PI0_ERR_BACKEND, "internal: fold vector of %zu", cols);
-        CUDA_TRY(cudaMemcpy(ld->fold, p->fold, cols * sizeof(float), cudaMemcpyHostToDevice));
+        CUDA_TRY(cudaMemcpyAsync(ld->fold, p->fold, cols * sizeof(float), cudaMemcpyHostToDevice, s->stream));
         fold = ld->fold;
     }
     size_t chunk_rows = STAGE_VALUES / cols ? STAGE_VALUES / cols : 1;
@@ -116,7 +116,9 @@ static pi0_status stream_one(cuda_state *s, const pi0_model *m, loader *ld, pi0_
         st_dtype dtype;
         const void *src = model_tensor_range(m, spec, r * cols, n * cols, ld->scratch, &dtype);
         size_t bytes = n * cols * st_dtype_size(dtype);
-        CUDA_TRY(cudaMemcpy(ld->stage, src, bytes, cudaMemcpyHostToDevice));
+        /* on the kernel's stream: a pageable copy may still be landing when cudaMemcpy returns, and the
+         * backend's stream does not wait for the default one */
+        CUDA_TRY(cudaMemcpyAsync(ld->stage, src, bytes, cudaMemcpyHostToDevice, s->stream));
         CUDA_TRY(pi0_cuda_weight_rows(dst + p->at + r * (size_t)p->pitch * cols, (size_t)p->pitch, ld->stage,
                                       source_type(dtype), n, cols, fold, s->stream));
         CUDA_TRY(cudaStreamSynchronize(s->stream)); /* the stage and the fold vector are reused */
@@ -323,6 +325,9 @@ pi0_status cuda_weights_upload(cuda_state *s, const pi0_model *m, pi0_error *err
     loader ld;
     pi0_status st = loader_init(&ld, m, err);
     if (!st) st = upload_all(s, m, &ld, err);
+    /* every copy landed before any kernel of the backend's own stream reads the weights */
+    if (!st && cudaDeviceSynchronize() != cudaSuccess)
+        st = pi0_fail(err, PI0_ERR_BACKEND, "uploading the weights: %s", cudaGetErrorString(cudaGetLastError()));
     loader_free(&ld);
     return st;
 }
