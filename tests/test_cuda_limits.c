@@ -3,12 +3,15 @@
  * the dims its kernels take pass (Pi0's, Pi0.5's, odd widths, MLP sizes and head counts, every head_dim that
  * is a multiple of 8 up to 256), the others are refused with a message naming the dimension and the limit,
  * the cuda backend refuses such a model before anything else (with or without a GPU), and the auto backend
- * gives it to the CPU. A build without the CUDA backend runs the last test only (its refusal is another).
+ * gives it to the CPU. And the dims-only choice of the skinny Linears (pi0_cuda_skinny_block_supported) is
+ * exactly "all four Linears of the block take them". A build without the CUDA backend runs the API test only
+ * (its refusal is another).
  */
 #include "check.h"
 #include "pi0.h"
 #ifdef PI0_WITH_CUDA
 #include "cuda/limits.h"
+#include "cuda/skinny.h"
 #endif
 
 /* A small model that every backend runs: 4 image tokens of 28 x 28 images, depth 1. */
@@ -66,6 +69,42 @@ TEST(refuses_with_dimension_and_limit) {
     pi0_error err = {0};
     CHECK(pi0_cuda_check_dims(&d, &err) == PI0_OK, "%s", err.message);
 }
+
+/* Whether pi0_cuda_skinny_supported takes the four Linears of forward.c's gemma_block_skinny for an 11-row
+ * denoise step of these dims, with buffers at 256-byte boundaries as the backend carves them and Pi0.5's
+ * in_scale row of norm n = 3 (an offset of 3 widths). No GPU is touched: the check only reads arguments. */
+static int skinny_block_runs(int W, int mlp, int heads, int kv_heads, int hd) {
+    pi0_bf16 *buf = (pi0_bf16 *)(uintptr_t)0x100000, *scale = buf + 3 * W;
+    const int rows[11] = {0};
+    const float *table = (const float *)buf;
+    int q_dim = heads * hd, qkv_dim = (heads + 2 * kv_heads) * hd;
+    skinny_args qkv = {.m = 11, .n = qkv_dim, .k = W, .x = buf, .w = buf, .rms_norm = 1, .in_scale = scale,
+                       .epilogue = SKINNY_ROPE_QKV, .out = buf, .heads = heads, .kv_heads = kv_heads, .head_dim = hd,
+                       .positions = rows, .cache_rows = rows, .rope_cos = table, .rope_sin = table, .cache_k = buf,
+                       .cache_v = buf};
+    skinny_args o = {.m = 11, .n = W, .k = q_dim, .x = buf, .w = buf, .epilogue = SKINNY_RESIDUAL,
+                     .residual = (float *)buf, .residual_bf16 = buf};
+    skinny_args gate_up = {.m = 11, .n = 2 * mlp, .k = W, .x = buf, .w = buf, .rms_norm = 1, .in_scale = scale,
+                           .epilogue = SKINNY_GELU_MUL, .out = buf};
+    skinny_args down = {.m = 11, .n = W, .k = mlp, .x = buf, .w = buf, .epilogue = SKINNY_RESIDUAL,
+                        .residual = (float *)buf, .residual_bf16 = buf};
+    return pi0_cuda_skinny_supported(&qkv) && pi0_cuda_skinny_supported(&o) && pi0_cuda_skinny_supported(&gate_up) &&
+           pi0_cuda_skinny_supported(&down);
+}
+
+TEST(skinny_block_choice_is_exact) {
+    static const int widths[] = {48, 60, 64, 100, 1024}, mlps[] = {96, 150, 128, 300, 4096}, heads[][2] = {{8, 1}, {3, 1}, {4, 2}};
+    for (int w = 0; w < 5; w++)
+        for (int m = 0; m < 5; m++)
+            for (int h = 0; h < 3; h++)
+                for (int hd = 8; hd <= 256; hd += 8) {
+                    int dims_say = pi0_cuda_skinny_block_supported(widths[w], mlps[m], hd);
+                    int args_say = skinny_block_runs(widths[w], mlps[m], heads[h][0], heads[h][1], hd);
+                    CHECK(dims_say == args_say, "width %d, mlp %d, %d/%d heads x %d: dims say %d, arguments say %d",
+                          widths[w], mlps[m], heads[h][0], heads[h][1], hd, dims_say, args_say);
+                }
+    CHECK(pi0_cuda_skinny_block_supported(1024, 4096, 256), "Pi0's expert");
+}
 #endif
 
 /* Through the public API: the cuda backend refuses the model before it looks for a GPU or reads a weight,
@@ -99,6 +138,7 @@ int main(int argc, char **argv) {
 #ifdef PI0_WITH_CUDA
     RUN(accepts_what_the_gpu_runs);
     RUN(refuses_with_dimension_and_limit);
+    RUN(skinny_block_choice_is_exact);
 #endif
     RUN(cuda_refuses_auto_falls_back);
     return check_finish();
