@@ -10,6 +10,9 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "util/error.h"
+#ifdef PI0_WITH_CUDA
+#include "cuda/limits.h"
+#endif
 
 int pi0_backend_from_name(const char *name, pi0_backend *out) {
     if (!name) return -1;
@@ -33,15 +36,21 @@ const char *pi0_backend_name(pi0_backend backend) {
     return "?";
 }
 
-static pi0_status pick_backend(pi0_backend wanted, pi0_backend *chosen, const pi0_backend_ops **ops, pi0_error *err) {
+/* auto: the GPU when there is one and its kernels take these dims (pi0_cuda_check_dims), else the CPU. */
+static pi0_status pick_backend(pi0_backend wanted, const pi0_dims *dims, pi0_backend *chosen, const pi0_backend_ops **ops,
+                               pi0_error *err) {
 #ifdef PI0_WITH_CUDA
-    if (wanted == PI0_BACKEND_CUDA || (wanted == PI0_BACKEND_AUTO && pi0_cuda_available())) {
+    if (wanted == PI0_BACKEND_CUDA ||
+        (wanted == PI0_BACKEND_AUTO && pi0_cuda_available() && pi0_cuda_check_dims(dims, NULL) == PI0_OK)) {
+        pi0_status st = pi0_cuda_check_dims(dims, err);
+        if (st) return st;
         if (!pi0_cuda_available()) return pi0_fail(err, PI0_ERR_BACKEND, "the cuda backend needs a CUDA GPU; none is usable");
         *chosen = PI0_BACKEND_CUDA;
         *ops = &pi0_cuda_backend;
         return PI0_OK;
     }
 #else
+    (void)dims;
     if (wanted == PI0_BACKEND_CUDA)
         return pi0_fail(err, PI0_ERR_BACKEND, "this build of pi0 has no cuda backend (nvcc was not found at build time)");
 #endif
@@ -63,7 +72,7 @@ static pi0_status model_new(const pi0_dims *dims, const pi0_options *opts, pi0_m
     pi0_model *m = calloc(1, sizeof *m);
     if (!m) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     m->dims = *dims;
-    pi0_status st = pick_backend(opts ? opts->backend : PI0_BACKEND_AUTO, &m->backend, &m->ops, err);
+    pi0_status st = pick_backend(opts ? opts->backend : PI0_BACKEND_AUTO, dims, &m->backend, &m->ops, err);
     if (!st && (m->num_specs = weights_specs(dims, &m->weights, &m->specs)) < 0)
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     if (!st) st = weights_alloc(&m->weights, m->specs, m->num_specs, m->ops->keep, err);

@@ -111,7 +111,9 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
                               pi0_bf16 *cache_k, pi0_bf16 *cache_v, int kv_only, const block_mods *mods, pi0_error *err) {
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
     int qkv_dim = q_dim + 2 * kv_dim;
-    if (r->x_bf16 && s->use_skinny && r->rows <= SKINNY_MAX_ROWS && !kv_only)
+    /* a few rows: the skinny Linears, where the dims allow them; else cuBLASLt and the separate kernels below */
+    if (r->x_bf16 && s->use_skinny && r->rows <= SKINNY_MAX_ROWS && !kv_only &&
+        pi0_cuda_skinny_block_supported(W, d->mlp_dim, hd))
         return gemma_block_skinny(s, l, d, r, cache_k, cache_v, mods, err);
     TRY(block_norm(s, r, W, l->input_norm, mods ? &mods->attn : NULL, err));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));

@@ -230,14 +230,15 @@ static __global__ void assemble_prefix_kernel(float *x, const int *src, int dim,
     }
 }
 
-/* One block per (row, 256 outputs); the input row (k floats) is staged in shared memory. */
+/* One block per (row, 256 outputs); the input row (k floats) is staged in shared memory. Rows go along x,
+ * whose 2^31 - 1 blocks take any batch x horizon (y stops at 65535). */
 static __global__ void linear_small_k_kernel(void *out, int out_bf16, const float *in, const __nv_bfloat16 *w,
                                              const float *bias, int k, int n, int swish) {
     extern __shared__ float x[];
-    int row = blockIdx.y;
+    int row = blockIdx.x;
     for (int j = threadIdx.x; j < k; j += blockDim.x) x[j] = in[(size_t)row * k + j];
     __syncthreads();
-    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    int col = blockIdx.y * blockDim.x + threadIdx.x;
     if (col >= n) return;
     float acc = bias ? bias[col] : 0.0f;
     const __nv_bfloat16 *wr = w + (size_t)col * k;
@@ -349,8 +350,9 @@ cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim
 
 cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
                                     int rows, int k, int n, int swish, cudaStream_t stream) {
+    if (k > PI0_CUDA_SMALL_K_MAX) return cudaErrorInvalidValue;
     if (rows > 0) {
-        dim3 grid((unsigned)((n + 255) / 256), (unsigned)rows);
+        dim3 grid((unsigned)rows, (unsigned)((n + 255) / 256));
         linear_small_k_kernel<<<grid, 256, (size_t)k * sizeof(float), stream>>>(out, out_bf16, in, as_bf16(w), bias, k,
                                                                               n, swish);
     }

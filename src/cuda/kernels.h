@@ -62,7 +62,10 @@ cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim
                                      const pi0_bf16 *embed, float scale, cudaStream_t stream);
 
 /* out (rows, n) = act(in (rows, k) float32 . w (n, k)^T + bias): a Linear with a tiny input width
- * (the 32 action dims). act = 1: swish. out_bf16 selects the output type. */
+ * (the 32 action dims; Pi0.5's time MLP, once per step count: the expert's width). act = 1: swish.
+ * out_bf16 selects the output type. k up to PI0_CUDA_SMALL_K_MAX (cudaErrorInvalidValue past it): the
+ * input row is staged in the 48 KB of shared memory a kernel has without opting in to more. */
+#define PI0_CUDA_SMALL_K_MAX (48 * 1024 / 4)
 cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
                                     int rows, int k, int n, int swish, cudaStream_t stream);
 
