@@ -43,7 +43,7 @@ make -j16 "${make_args[@]}" build/bench/layer_lab $gpu_tests >> "$OUT/build.log"
 
 if want tests; then
     PI0_BIN=build/pi0 PI0_LOG_DIR=build/logs tests/run.sh $gpu_tests tests/gpu/footprint.sh 2>&1 | tee "$OUT/test-gpu.log" | grep -E '^(ok|FAIL|broken|[0-9]+ passed)'
-    cat build/logs/test_*.log > "$OUT/test-gpu-stderr.log"   # the errors each check measured
+    cat build/logs/test_*.log build/logs/footprint.sh.log > "$OUT/test-gpu-stderr.log"   # what each check measured
 fi
 # BEFORE="VAR=value" adds a same-run "before" row for the seed workload and H=50 (an A/B knob).
 run() { echo "## ${AB:+$AB }build/pi0 bench $*"; env ${AB:-} build/pi0 bench "$@" --json; }
@@ -94,7 +94,11 @@ if want serve || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size b
     ckpt=/tmp/pi0_serve_ckpt
     if [ ! -f $ckpt/model.safetensors ]; then   # real size, random bf16 weights + the test tokenizer and norm stats
         PI0_BIN=build/pi0 tests/make_policy_checkpoint.sh /tmp/pi0_tiny_policy
-        build/pi0 init --output $ckpt --bf16 > "$OUT/init.log" 2>&1 || { tail "$OUT/init.log"; exit 1; }
+        if [ -f /tmp/pi0_footprint_bf16/model.safetensors ]; then   # the same checkpoint, made by the footprint test
+            mkdir -p $ckpt && ln -sf /tmp/pi0_footprint_bf16/model.safetensors /tmp/pi0_footprint_bf16/config.json $ckpt/
+        else
+            build/pi0 init --output $ckpt --bf16 > "$OUT/init.log" 2>&1 || { tail "$OUT/init.log"; exit 1; }
+        fi
         cp -r /tmp/pi0_tiny_policy/paligemma_tokenizer.model /tmp/pi0_tiny_policy/assets $ckpt/
         droid=/tmp/pi0_serve_droid; mkdir -p $droid/assets/droid   # the same weights, DROID's 8 + 8 dims of stats
         ln -sf $ckpt/model.safetensors $ckpt/config.json $ckpt/paligemma_tokenizer.model $droid/

@@ -155,7 +155,8 @@ static void graphs_drop(cuda_state *s) {
 
 /* Grows the workspace to `device_bytes` (and its pinned mirror to `host_bytes`); every graph made so far
  * points into the old one, so they go. */
-static pi0_status workspace_reserve(cuda_state *s, size_t device_bytes, size_t host_bytes, pi0_error *err) {
+static pi0_status workspace_reserve(cuda_state *s, const graph_shape *shape, size_t device_bytes, size_t host_bytes,
+                                    pi0_error *err) {
     if (device_bytes <= s->work_size && host_bytes <= s->work_host_size) return PI0_OK;
     graphs_drop(s);
     if (s->work) cudaFree(s->work), s->device_bytes -= s->work_size;
@@ -165,8 +166,9 @@ static pi0_status workspace_reserve(cuda_state *s, size_t device_bytes, size_t h
     if (cudaMalloc((void **)&s->work, device_bytes) != cudaSuccess) {
         cudaGetLastError();
         s->work = NULL;
-        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate %.2f GB of GPU memory for the activations (%.2f GB "
-                        "already in use); a smaller batch may fit", (double)device_bytes / 1e9, (double)s->device_bytes / 1e9);
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of GPU memory for a batch of %d (%d prefix tokens): its "
+                        "activations need %.2f GB and %.2f GB are in use; a smaller batch may fit", shape->batch,
+                        shape->total_prefix, (double)device_bytes / 1e9, (double)s->device_bytes / 1e9);
     }
     s->work_size = device_bytes;
     s->device_bytes += device_bytes;
@@ -194,7 +196,7 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
     all.used = inputs.used;
     carve_activations(&all, g, d);
     pi0_status st = tables_for(s, m, shape->num_steps, &g->tables, err);
-    if (!st) st = workspace_reserve(s, all.used, g->inputs_size + actions_bytes, err);
+    if (!st) st = workspace_reserve(s, shape, all.used, g->inputs_size + actions_bytes, err);
     for (int i = 0; i < 4 && !st; i++)
         if (cudaEventCreate(&g->events[i]) != cudaSuccess) st = pi0_fail(err, PI0_ERR_BACKEND, "cudaEventCreate failed");
     if (st) {
