@@ -117,6 +117,7 @@ if want serve || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size b
     stop() { kill -TERM $server; wait $server; echo "## server exit $?"; }
     load() { echo "## serve_load $*"; python3 bench/serve_load.py --port 8765 --json "$@"; }
     {
+      if want serve; then
         echo "## engine: 2 cameras, 32 prompt tokens, H 10 (what the server runs for one LIBERO request)"
         build/pi0 bench --cameras 2 --masked-cameras 0 --prompt-len 32 --horizon 10 --json
         serve $ckpt /tmp/libero_opt.json
@@ -124,9 +125,6 @@ if want serve || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size b
         load --clients 1 --requests 200 --obs libero --vary --drop-camera 0.2
         load --clients 4 --requests 150 --obs libero --vary --drop-camera 0.2 --processes 4
         load --clients 16 --requests 60 --obs libero --vary --drop-camera 0.2 --processes 4
-        if [[ $modes == *" soak "* ]]; then   # the 5-minute run: no request over 2 x p50?
-            load --clients 4 --duration $((${SOAK_MINUTES:-5} * 60)) --obs libero --vary --drop-camera 0.2 --processes 4
-        fi
         stop
         serve /tmp/pi0_serve_droid droid
         load --clients 1 --requests 300 --obs droid
@@ -136,5 +134,11 @@ if want serve || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size b
             load --clients 16 --requests 60 --obs libero --processes 4 | sed "s/^/max-batch $mb: /"
             stop
         done
-    } 2>&1 | tee "$OUT/serve.jsonl"
+      fi
+      if [[ $modes == *" soak "* ]]; then   # the 5-minute run, varied prompts and cameras: no request over 2 x p50?
+        serve $ckpt /tmp/libero_opt.json
+        load --clients 4 --duration $((${SOAK_MINUTES:-5} * 60)) --obs libero --vary --drop-camera 0.2 --processes 4
+        stop
+      fi
+    } 2>&1 | tee -a "$OUT/serve.jsonl"
 fi

@@ -336,9 +336,12 @@ pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, step_tables *t
     } else if (pi0_time_biases(m, steps, per_step_host)) {
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     }
+    /* on the backend's stream, which does not wait for the default one's copies */
     cudaError_t e = cudaSuccess;
-    if (!st) e = cudaMemcpy(t->out_bias, out_bias, A * sizeof(float), cudaMemcpyHostToDevice);
-    if (!st && !e && d->kind == PI0_MODEL_PI0) e = cudaMemcpy(t->time_bias, per_step_host, per_step, cudaMemcpyHostToDevice);
+    if (!st) e = cudaMemcpyAsync(t->out_bias, out_bias, A * sizeof(float), cudaMemcpyHostToDevice, s->stream);
+    if (!st && !e && d->kind == PI0_MODEL_PI0)
+        e = cudaMemcpyAsync(t->time_bias, per_step_host, per_step, cudaMemcpyHostToDevice, s->stream);
+    if (!st && !e && d->kind == PI0_MODEL_PI0) e = cudaStreamSynchronize(s->stream); /* the host tables are freed below */
     if (!st && e) st = pi0_fail(err, PI0_ERR_BACKEND, "uploading the step tables: %s", cudaGetErrorString(e));
     if (!st && d->kind == PI0_MODEL_PI05) st = pi05_step_constants(s, m, t, per_step_host, err);
     free(times);

@@ -528,7 +528,12 @@ pi0_status pi0_policy_prepare(const pi0_policy *p, const pi0_observation *obs, p
     pr->camera_valid = (uint8_t *)at;
     int n_state = 0;
     pi0_status st = PI0_OK;
-    for (int k = 0; k < (int)C && !st; k++) st = prepare_camera(p, obs, k, pr, &pr->error);
+    /* the cameras' resizes are the work: side by side, each with its own error (the first one's is kept) */
+    pi0_error camera_err[PI0_ADAPTER_MAX_CAMERAS] = {{0}};
+#pragma omp parallel for num_threads(C) if (C > 1)
+    for (int k = 0; k < (int)C; k++) prepare_camera(p, obs, k, pr, &camera_err[k]);
+    for (int k = 0; k < (int)C && !st; k++)
+        if ((st = camera_err[k].status)) pr->error = camera_err[k];
     if (!st) st = prepare_state(p, obs, pr, &n_state, &pr->error);
     if (!st) st = prepare_prompt(p, obs, n_state, pr, &pr->error);
     pr->prepare_ms = pi0_now_ms() - t0;

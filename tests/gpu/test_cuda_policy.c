@@ -76,14 +76,15 @@ static void random_observation(pi0_observation *obs, int round, int i) {
     free(frame);
 }
 
+/* ||a - b|| / ||b|| over one request's actions (float64), as check.h's rel_error. */
 static double worst_diff(const pi0_policy_result *a, const pi0_policy_result *b) {
     if (a->error.status || b->error.status || !a->actions || !b->actions) return INFINITY;
-    double worst = 0;
+    double num = 0, den = 0;
     for (int k = 0; k < a->horizon * a->action_dims; k++) {
-        double d = fabs(a->actions[k] - b->actions[k]) / (fabs(b->actions[k]) + 1e-2);
-        worst = d > worst ? d : worst;
+        double d = a->actions[k] - b->actions[k];
+        num += d * d, den += b->actions[k] * b->actions[k];
     }
-    return worst;
+    return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
 static void no_capture_after_warmup(pi0_model_kind kind) {
@@ -113,8 +114,26 @@ static void no_capture_after_warmup(pi0_model_kind kind) {
         pi0_policy_result on_gpu[MAX_BATCH], on_cpu[MAX_BATCH];
         REQUIRE(pi0_policy_infer(gpu, list, seeds, n, on_gpu, NULL, &err) == PI0_OK, "%s", err.message);
         REQUIRE(pi0_policy_infer(cpu, list, seeds, n, on_cpu, NULL, &err) == PI0_OK, "%s", err.message);
+        if (round < 7) { /* the same requests without graphs: replay and eager runs must agree */
+            pi0_policy_result eager[MAX_BATCH];
+            setenv("PI0_CUDA_GRAPHS", "0", 1);
+            REQUIRE(pi0_policy_infer(gpu, list, seeds, n, eager, NULL, &err) == PI0_OK, "%s", err.message);
+            unsetenv("PI0_CUDA_GRAPHS");
+            double e_cpu = 0, e_replay = 0;
+            for (int i = 0; i < n; i++) {
+                e_cpu = fmax(e_cpu, worst_diff(&eager[i], &on_cpu[i]));
+                e_replay = fmax(e_replay, worst_diff(&on_gpu[i], &eager[i]));
+                pi0_policy_result_free(&eager[i]);
+            }
+            fprintf(stderr, "  round %d (batch %d): eager GPU vs CPU %.3g, replay vs eager %.3g\n", round, n, e_cpu,
+                    e_replay);
+            CHECK(e_replay < 1e-3, "round %d: the replayed graph differs from the eager run by %.3g", round, e_replay);
+        }
         for (int i = 0; i < n; i++) {
             double d = worst_diff(&on_gpu[i], &on_cpu[i]);
+            if (d > TOL && d > worst)
+                fprintf(stderr, "  round %d, batch %d, request %d (%s wrist camera, prompt %d): GPU vs CPU %.3g\n", round,
+                        n, i, pi0_observation_find(&obs[i], "wrist") ? "with" : "without", (round * 7 + i * 3) % 5, d);
             worst = d > worst ? d : worst;
             pi0_policy_result_free(&on_gpu[i]), pi0_policy_result_free(&on_cpu[i]);
             pi0_observation_free(&obs[i]);
