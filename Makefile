@@ -164,7 +164,7 @@ test: $(TEST_BIN) $(GPU_TEST_BIN) $(LAB_BIN) $(TOOL_BIN) $(BUILD)/pi0 $(BUILD)/l
 
 test-gpu: $(GPU_TEST_BIN) $(LAB_BIN) $(BUILD)/pi0
 	@test -n "$(GPU_TEST_BIN)" || { echo "test-gpu needs nvcc (CUDA toolkit) at build time"; exit 1; }
-	PI0_BIN=$(BUILD)/pi0 PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(GPU_TEST_BIN)
+	PI0_BIN=$(BUILD)/pi0 PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(GPU_TEST_BIN) tests/gpu/footprint.sh
 
 test-asan:
 	$(MAKE) BUILD=build-asan OPT=-O1 SANITIZE="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" test

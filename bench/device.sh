@@ -2,7 +2,9 @@
 # Everything a GPU session needs, in one call of the device machine: unpack the carried Debian
 # packages (OpenBLAS, jansson, msgpack-c, libwebsockets), build for sm_90a, run the GPU tests, then the
 # benchmarks. Usage (on the device): bench/device.sh MODE... with MODE one of build, tests, lab, quick, ab,
-# bench, pi05, serve, all (several run in that order); logs go to $OUT (or ./device-out). `pi05` times
+# bench, pi05, convert, serve, soak, all (several run in that order); logs go to $OUT (or ./device-out).
+# `convert` times pi0 convert on a real-size openpi checkpoint; `soak` adds a 5-minute (SOAK_MINUTES) run to
+# `serve`. `pi05` times
 # Pi0.5 against Pi0 at the same 60-token prompt (H 10 and 15) and a Pi0.5 batch sweep. `ab` times the seed workload and H=50 alternately with this tree and with an older one
 # unpacked in .before/ (here: `rm -rf .before && mkdir .before && git archive COMMIT | tar -x -C .before`,
 # then carry .before): the same-run before/after for changes that have no A/B switch. `serve` times
@@ -40,8 +42,8 @@ make -j16 "${make_args[@]}" build/bench/layer_lab $gpu_tests >> "$OUT/build.log"
     || { tail -50 "$OUT/build.log"; exit 1; }
 
 if want tests; then
-    PI0_BIN=build/pi0 PI0_LOG_DIR=build/logs tests/run.sh $gpu_tests 2>&1 | tee "$OUT/test-gpu.log" | grep -E '^(ok|FAIL|broken|[0-9]+ passed)'
-    cat build/logs/test_*.log > "$OUT/test-gpu-stderr.log"   # the errors each check measured
+    PI0_BIN=build/pi0 PI0_LOG_DIR=build/logs tests/run.sh $gpu_tests tests/gpu/footprint.sh 2>&1 | tee "$OUT/test-gpu.log" | grep -E '^(ok|FAIL|broken|[0-9]+ passed)'
+    cat build/logs/test_*.log build/logs/footprint.sh.log > "$OUT/test-gpu-stderr.log"   # what each check measured
 fi
 # BEFORE="VAR=value" adds a same-run "before" row for the seed workload and H=50 (an A/B knob).
 run() { echo "## ${AB:+$AB }build/pi0 bench $*"; env ${AB:-} build/pi0 bench "$@" --json; }
@@ -82,23 +84,61 @@ if want pi05; then   # Pi0.5 against Pi0 at a realistic discrete-state prompt, t
     } > "$OUT/pi05.jsonl" 2> "$OUT/pi05.err"
     python3 bench/table.py "$OUT/pi05.jsonl"
 fi
-if want serve; then
+if [[ $modes == *" convert "* ]]; then   # pi0 convert on a real-size orbax checkpoint (needs JAX and orbax)
+    python3 bench/convert_bench.py --pi0 build/pi0 --out /tmp/pi0_convert_bench 2>&1 | tee "$OUT/convert.txt"
+fi
+if want serve || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size bf16 checkpoint with openpi's client (bench/serve_load.py)
     python3 -m pip install -q --no-index --find-links .deps/wheels --target .deps/py --no-deps \
         msgpack websockets typing_extensions openpi-client > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
     export PYTHONPATH=$PWD/.deps/py
     ckpt=/tmp/pi0_serve_ckpt
     if [ ! -f $ckpt/model.safetensors ]; then   # real size, random bf16 weights + the test tokenizer and norm stats
         PI0_BIN=build/pi0 tests/make_policy_checkpoint.sh /tmp/pi0_tiny_policy
-        build/pi0 init --output $ckpt --bf16 > "$OUT/init.log" 2>&1 || { tail "$OUT/init.log"; exit 1; }
+        if [ -f /tmp/pi0_footprint_bf16/model.safetensors ]; then   # the same checkpoint, made by the footprint test
+            mkdir -p $ckpt && ln -sf /tmp/pi0_footprint_bf16/model.safetensors /tmp/pi0_footprint_bf16/config.json $ckpt/
+        else
+            build/pi0 init --output $ckpt --bf16 > "$OUT/init.log" 2>&1 || { tail "$OUT/init.log"; exit 1; }
+        fi
         cp -r /tmp/pi0_tiny_policy/paligemma_tokenizer.model /tmp/pi0_tiny_policy/assets $ckpt/
+        droid=/tmp/pi0_serve_droid; mkdir -p $droid/assets/droid   # the same weights, DROID's 8 + 8 dims of stats
+        ln -sf $ckpt/model.safetensors $ckpt/config.json $ckpt/paligemma_tokenizer.model $droid/
+        python3 -c 'import json; print(json.dumps({"norm_stats": {k: {"mean": [0.1] * 8, "std": [0.5] * 8,
+            "q01": [-1.0] * 8, "q99": [1.0] * 8} for k in ("state", "actions")}}))' > $droid/assets/droid/norm_stats.json
     fi
-    build/pi0 serve --checkpoint $ckpt --adapter libero --port 8765 --quiet > "$OUT/serve.out" 2> "$OUT/serve.err" &
-    server=$!
-    for _ in $(seq 120); do grep -q listening "$OUT/serve.out" 2>/dev/null && break; sleep 1; done
-    for c in 1 4 16; do
-        echo "## pi0 serve (cuda, real size), $c clients"
-        python3 bench/serve_load.py --port 8765 --clients $c --requests $((c == 1 ? 300 : c == 4 ? 150 : 60)) \
-            --processes $((c < 4 ? 1 : 4)) --json
-    done | tee "$OUT/serve.jsonl"
-    kill -TERM $server; wait $server; echo "server exit $?"
+    # LIBERO with the wrist camera optional (so that --drop-camera can leave it out), openpi's pi0_libero otherwise
+    echo '{"name": "libero", "cameras": ["observation/image", "observation/wrist_image", null],
+           "optional_cameras": ["observation/wrist_image"], "state": ["observation/state"], "action_dims": 7}' > /tmp/libero_opt.json
+    serve() { # CHECKPOINT ADAPTER ARGS...: starts pi0 serve on port 8765 and waits for "listening"
+        build/pi0 serve --checkpoint "$1" --adapter "$2" --port 8765 --horizon 10 "${@:3}" > "$OUT/serve.out" 2>> "$OUT/serve.err" &
+        server=$!
+        for _ in $(seq 300); do grep -q listening "$OUT/serve.out" 2>/dev/null && break; sleep 1; done
+        grep "ready in" "$OUT/serve.err" | tail -1
+    }
+    stop() { kill -TERM $server; wait $server; echo "## server exit $?"; }
+    load() { echo "## serve_load $*"; python3 bench/serve_load.py --port 8765 --json "$@"; }
+    {
+      if want serve; then
+        echo "## engine: 2 cameras, 32 prompt tokens, H 10 (what the server runs for one LIBERO request)"
+        build/pi0 bench --cameras 2 --masked-cameras 0 --prompt-len 32 --horizon 10 --json
+        serve $ckpt /tmp/libero_opt.json
+        load --clients 1 --requests 300 --obs libero
+        load --clients 1 --requests 200 --obs libero --vary --drop-camera 0.2
+        load --clients 4 --requests 150 --obs libero --vary --drop-camera 0.2 --processes 4
+        load --clients 16 --requests 60 --obs libero --vary --drop-camera 0.2 --processes 4
+        stop
+        serve /tmp/pi0_serve_droid droid
+        load --clients 1 --requests 300 --obs droid
+        stop
+        for mb in 8 16 32; do
+            serve $ckpt /tmp/libero_opt.json --max-batch $mb
+            load --clients 16 --requests 60 --obs libero --processes 4 | sed "s/^/max-batch $mb: /"
+            stop
+        done
+      fi
+      if [[ $modes == *" soak "* ]]; then   # the 5-minute run, varied prompts and cameras: no request over 2 x p50?
+        serve $ckpt /tmp/libero_opt.json
+        load --clients 4 --duration $((${SOAK_MINUTES:-5} * 60)) --obs libero --vary --drop-camera 0.2 --processes 4
+        stop
+      fi
+    } 2>&1 | tee -a "$OUT/serve.jsonl"
 fi

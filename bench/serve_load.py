@@ -1,19 +1,28 @@
 #!/usr/bin/env python3
 """serve_load.py - load generator for `pi0 serve` (or any openpi websocket policy server).
 
-N clients (openpi_client's WebsocketClientPolicy, one connection each) send R requests each, every client
-waiting for its answer before its next request, as a robot does. All clients connect and warm up first,
-then start together; the figures cover the timed requests only:
+N clients (openpi_client's WebsocketClientPolicy, one connection each) send R requests each (or for
+--duration seconds), every client waiting for its answer before its next request, as a robot does. All
+clients connect and warm up first, then start together; the figures cover the timed requests only:
 
     requests/s   timed requests / (last answer - common start)
-    latency      per request, client side: pack, send, server, receive, unpack (p50, p99, mean, max)
+    latency      per request, client side: pack, send, server, receive, unpack (p50, p99, mean, max, how many
+                 took over 2 x p50)
     batch size   the server's server_timing.batch_size (pi0 serve), mean and max, when the server sends it
+    breakdown    pi0 serve's server_timing, mean per request: receive, prep_queue, decode, prepare, queue, model,
+                 encode, and the previous reply's send; `other` is the client's latency minus all of those (the
+                 client's packing and unpacking, and the network)
+
+Observations are robots' camera frames at their native sizes (LIBERO 256x256, DROID 180x320). --vary gives
+every request a prompt of a different length (1 to ~40 tokens); --drop-camera P leaves the wrist camera out of
+a request with probability P (the server's adapter must list it in "optional_cameras").
 
 Needs only the standard library, numpy and openpi-client (pip install openpi-client). Clients run as
 threads spread over --processes processes (use more than one when the client side, not the server, would
 be the limit: Python packs and unpacks each request under the GIL).
 
     python3 bench/serve_load.py --port 8000 --clients 16 --requests 200
+    python3 bench/serve_load.py --port 8000 --clients 4 --obs droid --vary --duration 300 --json
     python3 bench/serve_load.py --port 8000 --clients 4 --obs my_robot_obs.msgpack --json
 """
 import argparse
@@ -28,12 +37,20 @@ from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 
+PROMPTS = ["go", "pick up the cup", "put the black bowl on the plate", "open the top drawer and put the bowl inside",
+           "turn on the stove and put the moka pot on it", "pick up the alphabet soup and place it in the basket",
+           "put both the cream cheese box and the butter in the basket, then close the lid of the basket carefully"]
+BREAKDOWN = ["receive_ms", "prep_queue_ms", "decode_ms", "prepare_ms", "queue_ms", "model_ms", "encode_ms",
+             "prev_send_ms"]
+WRIST = {"libero": "observation/wrist_image", "droid": "observation/wrist_image_left"}
+
+
 def make_obs(kind, seed):
     rng = np.random.default_rng(seed)
     if kind == "libero":
         return {
-            "observation/image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
-            "observation/wrist_image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
+            "observation/image": rng.integers(0, 256, (256, 256, 3), dtype=np.uint8),
+            "observation/wrist_image": rng.integers(0, 256, (256, 256, 3), dtype=np.uint8),
             "observation/state": (rng.normal(size=8) * 0.1).astype(np.float32),
             "prompt": "put the black bowl on the plate",
         }
@@ -49,8 +66,21 @@ def make_obs(kind, seed):
         return msgpack_numpy.unpackb(f.read())
 
 
+def request(args, obs, rng):
+    """The observation of one request: another prompt (--vary), the wrist camera left out (--drop-camera)."""
+    if not args.vary and not args.drop_camera:
+        return obs
+    obs = dict(obs)
+    if args.vary:
+        obs["prompt"] = PROMPTS[int(rng.integers(len(PROMPTS)))]
+    if args.drop_camera and rng.random() < args.drop_camera:
+        obs.pop(WRIST.get(args.obs, ""), None)
+    return obs
+
+
 def run_client(args, index, barrier, out):
-    result = {"latencies": [], "batches": [], "error": None, "t0": None, "t1": None}
+    result = {"latencies": [], "batches": [], "timings": [], "error": None, "t0": None, "t1": None}
+    rng = np.random.default_rng(1000 + index)
     try:
         obs = make_obs(args.obs, index)
         policy = WebsocketClientPolicy(args.host, args.port, api_key=args.api_key)
@@ -68,14 +98,19 @@ def run_client(args, index, barrier, out):
         out.append(result)
         return
     result["t0"] = time.monotonic()
+    end = result["t0"] + args.duration if args.duration else None
     try:
-        for _ in range(args.requests):
+        k = 0
+        while (k < args.requests) if end is None else (time.monotonic() < end):
+            one = request(args, obs, rng)
             t = time.monotonic()
-            reply = policy.infer(obs)
+            reply = policy.infer(one)
             result["latencies"].append((time.monotonic() - t) * 1e3)
-            batch = reply.get("server_timing", {}).get("batch_size")
-            if batch is not None:
-                result["batches"].append(int(batch))
+            timing = reply.get("server_timing", {})
+            if timing.get("batch_size") is not None:
+                result["batches"].append(int(timing["batch_size"]))
+            result["timings"].append({key: float(timing.get(key, 0.0)) for key in BREAKDOWN if key in timing})
+            k += 1
     except Exception as e:  # noqa: BLE001
         result["error"] = f"client {index} request {len(result['latencies'])}: {type(e).__name__}: {e}"
     result["t1"] = time.monotonic()
@@ -104,13 +139,18 @@ def main():
     p.add_argument("--requests", type=int, default=100, help="timed requests per client (default 100)")
     p.add_argument("--warmup", type=int, default=5, help="untimed requests per client first (default 5)")
     p.add_argument("--obs", default="libero", help="libero, droid, or an observation .msgpack file (default libero)")
+    p.add_argument("--duration", type=float, default=0, help="seconds each client sends for, instead of --requests")
+    p.add_argument("--vary", action="store_true", help="a prompt of another length in every request")
+    p.add_argument("--drop-camera", type=float, default=0, help="probability of leaving the wrist camera out")
     p.add_argument("--processes", type=int, default=1, help="client processes (default 1)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for every client to warm up")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
-    if args.clients < 1 or args.requests < 1 or args.processes < 1 or args.warmup < 0:
-        p.error("--clients, --requests and --processes must be >= 1, --warmup >= 0")
+    if args.clients < 1 or args.requests < 1 or args.processes < 1 or args.warmup < 0 or args.duration < 0:
+        p.error("--clients, --requests and --processes must be >= 1, --warmup and --duration >= 0")
+    if not 0 <= args.drop_camera <= 1:
+        p.error("--drop-camera is a probability")
 
     probe = WebsocketClientPolicy(args.host, args.port, api_key=args.api_key)
     metadata = probe.get_server_metadata()
@@ -132,6 +172,11 @@ def main():
     errors = [r["error"] for r in results if r["error"]]
     lat = np.array([x for r in results for x in r["latencies"]])
     batches = np.array([x for r in results for x in r["batches"]])
+    timings = [t for r in results for t in r["timings"]]
+    breakdown = None
+    if timings and any(timings):
+        breakdown = {k: round(float(np.mean([t.get(k, 0.0) for t in timings])), 3) for k in BREAKDOWN}
+        breakdown["other_ms"] = round(float(lat.mean()) - sum(v for k, v in breakdown.items() if k != "prev_send_ms"), 3)
     started = [r["t0"] for r in results if r["t0"] is not None]
     finished = [r["t1"] for r in results if r["t1"] is not None]
     wall = (max(finished) - min(started)) if started and finished else float("nan")
@@ -153,7 +198,11 @@ def main():
             "p99": round(float(np.percentile(lat, 99)), 2) if lat.size else None,
             "mean": round(float(lat.mean()), 2) if lat.size else None,
             "max": round(float(lat.max()), 2) if lat.size else None,
+            "over_2x_p50": int((lat > 2 * np.percentile(lat, 50)).sum()) if lat.size else None,
         },
+        "breakdown_ms": breakdown,
+        "vary": args.vary,
+        "drop_camera": args.drop_camera,
         "batch_size": {"mean": round(float(batches.mean()), 2), "max": int(batches.max())} if batches.size else None,
     }
     if args.json:
@@ -161,13 +210,17 @@ def main():
     else:
         s, l = summary, summary["latency_ms"]
         server = ", ".join(f"{k} {v}" for k, v in s["server"].items())
-        print(f"serve_load: {s['clients']} clients x {s['requests_per_client']} requests (after {s['warmup_per_client']} "
-              f"warm-up each), {s['obs']} observations, {s['uri']} ({server})")
+        each = f"for {args.duration:g} s" if args.duration else f"x {s['requests_per_client']} requests"
+        print(f"serve_load: {s['clients']} clients {each} (after {s['warmup_per_client']} warm-up each), {s['obs']} "
+              f"observations{', varied prompts' if args.vary else ''}"
+              f"{f', wrist camera dropped at p={args.drop_camera:g}' if args.drop_camera else ''}, {s['uri']} ({server})")
         line = (f"requests/s {s['requests_per_s']:.1f}   latency ms p50 {l['p50']}  p99 {l['p99']}  mean {l['mean']}  "
-                f"max {l['max']}")
+                f"max {l['max']} ({l['over_2x_p50']} over 2 x p50)")
         if s["batch_size"]:
             line += f"   batch size mean {s['batch_size']['mean']} (max {s['batch_size']['max']})"
         print(line + f"   errors {s['errors']}")
+        if breakdown:
+            print("server_timing means (ms): " + "  ".join(f"{k[:-3]} {v}" for k, v in breakdown.items()))
     for e in errors[:5]:
         print(f"serve_load: {e}", file=sys.stderr)
     return 1 if errors else 0

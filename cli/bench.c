@@ -84,18 +84,24 @@ typedef struct {
     double mean, p50, p95, min, max, vision, prefix, denoise;
 } bench_stats;
 
-static int report(const workload *w, const bench_stats *s, pi0_model *model, double peak_gb, int json) {
+/* How the model got ready: seconds to load (or build) it and the host memory the process then held. */
+typedef struct {
+    double seconds, host_gb;
+} load_stats;
+
+static int report(const workload *w, const bench_stats *s, pi0_model *model, const load_stats *load, double peak_gb,
+                  int json) {
     double hz = 1000.0 / s->mean, samples_per_s = hz * (double)w->batch;
     double gpu_gb = (double)pi0_model_device_memory(model) / 1e9;
     if (json) {
         json_t *o = json_pack(
-            "{s:s,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:f,s:{s:f,s:f,s:f}}", "model",
+            "{s:s,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:f,s:{s:f,s:f,s:f},s:f,s:f}", "model",
             pi0_model_kind_name(pi0_model_dims(model)->kind), "backend", pi0_backend_name(pi0_model_backend(model)),
             "batch", w->batch, "cameras", w->cameras, "masked_cameras",
             w->masked, "prompt_len", w->prompt_len, "horizon", w->horizon, "steps", w->steps, "iters", w->iters,
             "latency_ms", "mean", s->mean, "p50", s->p50, "p95", s->p95, "min", s->min, "max", s->max, "hz", hz,
             "samples_per_s", samples_per_s, "peak_host_memory_gb", peak_gb, "peak_gpu_memory_gb", gpu_gb, "stages_ms", "vision", s->vision, "prefix",
-            s->prefix, "denoise", s->denoise);
+            s->prefix, "denoise", s->denoise, "load_s", load->seconds, "host_memory_after_load_gb", load->host_gb);
         return print_json("bench", o, JSON_PRESERVE_ORDER);
     }
     printf("pi0 bench: %s, backend %s, batch %lld, %lld cameras (%lld masked), %lld prompt tokens, horizon %lld, "
@@ -105,11 +111,12 @@ static int report(const workload *w, const bench_stats *s, pi0_model *model, dou
     printf("latency ms: mean %.2f  p50 %.2f  p95 %.2f  min %.2f  max %.2f\n", s->mean, s->p50, s->p95, s->min, s->max);
     printf("throughput: %.2f Hz, %.2f samples/s\n", hz, samples_per_s);
     printf("stages ms (mean): vision %.2f  prefix %.2f  denoise %.2f\n", s->vision, s->prefix, s->denoise);
-    printf("peak memory: host %.2f GB, gpu %.2f GB\n", peak_gb, gpu_gb);
+    printf("peak memory: host %.2f GB, gpu %.2f GB; after loading (%.1f s): host %.2f GB\n", peak_gb, gpu_gb,
+           load->seconds, load->host_gb);
     return EXIT_OK;
 }
 
-static int run_bench(pi0_model *model, const workload *w, int json) {
+static int run_bench(pi0_model *model, const workload *w, const load_stats *load, int json) {
     const pi0_dims *d = pi0_model_dims(model);
     bench_inputs in;
     pi0_error err = {0};
@@ -151,7 +158,7 @@ static int run_bench(pi0_model *model, const workload *w, int json) {
     s.min = lat[0], s.max = lat[w->iters - 1];
     struct rusage usage;
     getrusage(RUSAGE_SELF, &usage);
-    rc = report(w, &s, model, (double)usage.ru_maxrss * 1024.0 / 1e9, json);
+    rc = report(w, &s, model, load, (double)usage.ru_maxrss * 1024.0 / 1e9, json);
 done:
     free(lat);
     inputs_free(&in, (int)w->cameras);
@@ -192,12 +199,14 @@ int cmd_bench(int argc, char **argv) {
 
     pi0_error err = {0};
     pi0_model *model = NULL;
+    double t0 = pi0_now_ms();
     if (open_model(checkpoint, dims_path, model_name ? (int)kind : -1, (uint64_t)w.seed, backend, json, &model, &err))
         return run_error("bench", &err);
+    load_stats load = {(pi0_now_ms() - t0) / 1e3, (double)host_anon_bytes() / 1e9};
     int gpu = pi0_model_backend(model) == PI0_BACKEND_CUDA;
     if (w.warmup < 0) w.warmup = gpu ? 10 : 1;
     if (w.iters < 0) w.iters = gpu ? 100 : 5;
-    int rc = run_bench(model, &w, json);
+    int rc = run_bench(model, &w, &load, json);
     pi0_model_free(model);
     return rc;
 }

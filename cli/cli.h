@@ -50,6 +50,10 @@ int int_flag_error(const char *cmd, const int_flag *flag);
  * or a failed dump prints an error naming `cmd` and returns EXIT_FAILURE_RUN: never an empty or partial success. */
 int print_json(const char *cmd, json_t *o, size_t flags);
 
+/* The process's resident anonymous memory (RssAnon of /proc/self/status: its own allocations, not the page
+ * cache or mapped files); 0 where unknown. */
+uint64_t host_anon_bytes(void);
+
 /* A load-progress callback printing whole percents to stderr. */
 void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total);
 

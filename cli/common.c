@@ -67,6 +67,16 @@ int print_json(const char *cmd, json_t *o, size_t flags) {
     return EXIT_OK;
 }
 
+uint64_t host_anon_bytes(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    unsigned long long kb = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "RssAnon: %llu kB", &kb) == 1) break;
+    if (f) fclose(f);
+    return (uint64_t)kb * 1024;
+}
+
 void progress_to_stderr(void *user, const char *stage, uint64_t done, uint64_t total) {
     int *last_percent = user;
     int percent = total ? (int)(done * 100 / total) : 100;

@@ -14,6 +14,7 @@
  * Environment switches the library reads when a model is loaded (for same-run A/B benchmarks and
  * debugging; the defaults are the fast, tested paths):
  *   PI0_CUDA_GRAPHS=0   run every call eagerly instead of replaying one CUDA graph per input shape
+ *   PI0_CUDA_MAX_GRAPHS=n  keep at most n captured shapes (default 1024), dropping the least recently used
  *   PI0_SKINNY=0        cuBLASLt instead of the engine's skinny Linears for small denoise steps
  *   PI0_ATTN_DECODE=0   the tiled attention instead of the few-queries one for small denoise steps
  *   PI0_ATTN_SPLIT=n    cap the key split of the tiled attention at n blocks
@@ -134,7 +135,8 @@ PI0_API pi0_status pi0_model_random(const pi0_dims *dims, uint64_t seed, const p
                             pi0_model **out, pi0_error *err);
 
 /* Writes the model as a checkpoint directory (model.safetensors + config.json), in float32 or
- * bfloat16 (`bf16` != 0). Creates `dir` if needed. */
+ * bfloat16 (`bf16` != 0). Creates `dir` if needed. Only a cpu-backend model can be saved: the cuda
+ * backend keeps no host copy of its weights (PI0_ERR_INVALID_ARGUMENT). */
 PI0_API pi0_status pi0_model_save(const pi0_model *model, const char *dir, int bf16, pi0_error *err);
 
 PI0_API void pi0_model_free(pi0_model *model);
@@ -145,6 +147,11 @@ PI0_API pi0_backend pi0_model_backend(const pi0_model *model);
  * 0 on the CPU backend. */
 PI0_API uint64_t pi0_model_device_memory(const pi0_model *model);
 
+/* How many batch shapes the backend has prepared so far: on CUDA, graphs captured (each costs a
+ * capture and GEMM choices on the call that meets the shape first); 0 on the CPU. A server that
+ * warmed up (pi0_policy_warmup) can watch it stay constant. */
+PI0_API uint64_t pi0_model_graph_captures(const pi0_model *model);
+
 /* Number of parameters the engine uses (lm_head and other ignored tensors excluded). */
 PI0_API uint64_t pi0_model_num_params(const pi0_model *model);
 
@@ -152,7 +159,7 @@ PI0_API uint64_t pi0_model_num_params(const pi0_model *model);
  * A batch of B observations. Camera c of sample b is the image images[c] + b*S*S*3 (HWC, float in
  * [-1, 1], S = dims.image_size); it takes part iff image_masks[b*num_cameras + c] != 0. Prompt token
  * i of sample b is prompt_ids[b*prompt_len + i], valid iff prompt_mask[b*prompt_len + i] != 0.
- * Invalid cameras and tokens are skipped: they do not change the result, and cost nothing.
+ * Invalid cameras and tokens do not change the result; by default they are skipped and cost nothing.
  */
 typedef struct {
     int batch;
@@ -170,6 +177,10 @@ typedef struct {
     const float *noise;          /* (B, H, action_dim) x at t = 1; NULL = standard normal from noise_seed */
     uint64_t noise_seed;
     int num_steps;               /* Euler steps in 1..PI0_MAX_STEPS, or 0 for 10 (the same caution) */
+    int uniform_shape;           /* non-zero: masked cameras (zeros where their image is NULL) and padding tokens
+                                    are computed too, never used as keys: the actions are the same, and every
+                                    batch of the same size, cameras and prompt_len has the same shape, so a
+                                    server's CUDA graphs are made once. 0: they are skipped (less work) */
 } pi0_batch;
 
 /* Wall time spent in each stage of the last sample_actions call, in milliseconds. */

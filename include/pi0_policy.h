@@ -124,9 +124,11 @@ PI0_API pi0_norm_mode pi0_policy_norm_mode(const pi0_policy *policy); /* ZSCORE 
 PI0_API int pi0_policy_discrete_state(const pi0_policy *policy); /* 1: the state is written into the prompt */
 
 typedef struct {
-    pi0_error error;  /* error.status == PI0_OK when `actions` holds the answer */
+    pi0_error error;    /* error.status == PI0_OK when `actions` holds the answer */
     int horizon, action_dims;
-    double *actions;  /* (horizon, action_dims), owned; float64 like openpi's numpy output */
+    double *actions;    /* (horizon, action_dims), owned; float64 like openpi's numpy output */
+    double prepare_ms;  /* this observation's preprocessing (images, state, prompt) */
+    double model_ms;    /* the batch's sample_actions, which this observation shared */
 } pi0_policy_result;
 
 /*
@@ -148,6 +150,30 @@ PI0_API pi0_status pi0_policy_infer(pi0_policy *policy, const pi0_observation *c
                                     const uint64_t *noise_seeds, int count, pi0_policy_result *results,
                                     double *infer_ms, pi0_error *err);
 PI0_API void pi0_policy_result_free(pi0_policy_result *result);
+
+/*
+ * The two halves of pi0_policy_infer, for a server that prepares requests while the model runs others.
+ * pi0_policy_prepare checks and preprocesses one observation (images resized, state normalized, prompt
+ * tokenized) into a new pi0_prepared; it only reads the policy, so any number of threads may call it at
+ * once, also while another runs pi0_policy_infer_prepared. A bad observation gives a non-OK status and
+ * still a pi0_prepared (NULL only when out of memory) that carries the error, so that passing it on makes
+ * its result fail alone. pi0_policy_infer_prepared runs them as one batch like pi0_policy_infer, and is
+ * used by one thread at a time; it does not free them.
+ */
+typedef struct pi0_prepared pi0_prepared;
+PI0_API pi0_status pi0_policy_prepare(const pi0_policy *policy, const pi0_observation *observation,
+                                      pi0_prepared **out, pi0_error *err);
+PI0_API pi0_status pi0_policy_infer_prepared(pi0_policy *policy, const pi0_prepared *const *prepared,
+                                             const uint64_t *noise_seeds, int count, pi0_policy_result *results,
+                                             pi0_error *err);
+PI0_API void pi0_prepared_free(pi0_prepared *prepared);
+
+/*
+ * Runs dummy batches of every shape a call of 1..max_batch observations can take (batch size x prompt
+ * length rounded up to 32 tokens), so that on a GPU every CUDA graph is captured and every GEMM tuned
+ * before the first real request rather than on its path. `seconds` (may be NULL) gets how long it took.
+ */
+PI0_API pi0_status pi0_policy_warmup(pi0_policy *policy, int max_batch, double *seconds, pi0_error *err);
 
 #ifdef __cplusplus
 }

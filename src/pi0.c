@@ -11,6 +11,9 @@
 #include "model/model.h"
 #include "util/error.h"
 #include "util/finite.h"
+#ifdef PI0_WITH_CUDA
+#include "cuda/limits.h"
+#endif
 
 int pi0_backend_from_name(const char *name, pi0_backend *out) {
     if (!name) return -1;
@@ -34,15 +37,21 @@ const char *pi0_backend_name(pi0_backend backend) {
     return "?";
 }
 
-static pi0_status pick_backend(pi0_backend wanted, pi0_backend *chosen, const pi0_backend_ops **ops, pi0_error *err) {
+/* auto: the GPU when there is one and its kernels take these dims (pi0_cuda_check_dims), else the CPU. */
+static pi0_status pick_backend(pi0_backend wanted, const pi0_dims *dims, pi0_backend *chosen, const pi0_backend_ops **ops,
+                               pi0_error *err) {
 #ifdef PI0_WITH_CUDA
-    if (wanted == PI0_BACKEND_CUDA || (wanted == PI0_BACKEND_AUTO && pi0_cuda_available())) {
+    if (wanted == PI0_BACKEND_CUDA ||
+        (wanted == PI0_BACKEND_AUTO && pi0_cuda_available() && pi0_cuda_check_dims(dims, NULL) == PI0_OK)) {
+        pi0_status st = pi0_cuda_check_dims(dims, err);
+        if (st) return st;
         if (!pi0_cuda_available()) return pi0_fail(err, PI0_ERR_BACKEND, "the cuda backend needs a CUDA GPU; none is usable");
         *chosen = PI0_BACKEND_CUDA;
         *ops = &pi0_cuda_backend;
         return PI0_OK;
     }
 #else
+    (void)dims;
     if (wanted == PI0_BACKEND_CUDA)
         return pi0_fail(err, PI0_ERR_BACKEND, "this build of pi0 has no cuda backend (nvcc was not found at build time)");
 #endif
@@ -64,10 +73,10 @@ static pi0_status model_new(const pi0_dims *dims, const pi0_options *opts, pi0_m
     pi0_model *m = calloc(1, sizeof *m);
     if (!m) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     m->dims = *dims;
-    pi0_status st = pick_backend(opts ? opts->backend : PI0_BACKEND_AUTO, &m->backend, &m->ops, err);
+    pi0_status st = pick_backend(opts ? opts->backend : PI0_BACKEND_AUTO, dims, &m->backend, &m->ops, err);
     if (!st && (m->num_specs = weights_specs(dims, &m->weights, &m->specs)) < 0)
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
-    if (!st) st = weights_alloc(&m->weights, m->specs, m->num_specs, err);
+    if (!st) st = weights_alloc(&m->weights, m->specs, m->num_specs, m->ops->keep, err);
     if (st) {
         m->ops = NULL;
         pi0_model_free(m);
@@ -78,9 +87,10 @@ static pi0_status model_new(const pi0_dims *dims, const pi0_options *opts, pi0_m
     return PI0_OK;
 }
 
-/* Hands the filled host weights to the backend. */
+/* Hands the host weights (and where the others come from) to the backend. */
 static pi0_status model_ready(pi0_model *m, pi0_model **out, pi0_error *err) {
     pi0_status st = m->ops->init(m, err);
+    m->source = NULL, m->progress = NULL, m->progress_user = NULL;
     if (st) {
         m->ops = NULL;
         pi0_model_free(m);
@@ -103,13 +113,17 @@ pi0_status pi0_model_load(const char *dir, const pi0_options *opts, pi0_model **
     if (!st)
         st = checkpoint_read(&ck, m->specs, m->num_specs, opts ? opts->progress : NULL, opts ? opts->progress_user : NULL,
                              err);
-    checkpoint_close(&ck);
     if (st) {
+        checkpoint_close(&ck);
         if (m) m->ops = NULL;
         pi0_model_free(m);
         return st;
     }
-    return model_ready(m, out, err);
+    m->source = &ck;
+    m->progress = opts ? opts->progress : NULL, m->progress_user = opts ? opts->progress_user : NULL;
+    st = model_ready(m, out, err);
+    checkpoint_close(&ck); /* after init: the backend streamed its tensors from the mapping */
+    return st;
 }
 
 pi0_status pi0_model_random(const pi0_dims *dims, uint64_t seed, const pi0_options *opts, pi0_model **out,
@@ -121,12 +135,35 @@ pi0_status pi0_model_random(const pi0_dims *dims, uint64_t seed, const pi0_optio
     if (!st) st = model_new(dims, opts, &m, err);
     if (st) return st;
     m->horizon_given = 1;
+    m->seed = seed;
+    m->progress = opts ? opts->progress : NULL, m->progress_user = opts ? opts->progress_user : NULL;
     weights_init_random(m->specs, m->num_specs, seed);
     return model_ready(m, out, err);
 }
 
+const weight_spec *model_spec_of(const pi0_model *m, float *const *slot) {
+    for (int i = 0; i < m->num_specs; i++)
+        if (m->specs[i].slot == slot) return &m->specs[i];
+    return NULL;
+}
+
+const void *model_tensor_range(const pi0_model *m, const weight_spec *spec, uint64_t first, uint64_t count,
+                               float *scratch, st_dtype *dtype) {
+    if (m->source) {
+        const st_tensor *t = checkpoint_tensor(m->source, spec); /* checked to exist with this shape at load */
+        *dtype = t->dtype;
+        return (const char *)t->data + first * st_dtype_size(t->dtype);
+    }
+    weights_random_range(spec, m->seed, first, count, scratch);
+    *dtype = ST_F32;
+    return scratch;
+}
+
 pi0_status pi0_model_save(const pi0_model *m, const char *dir, int bf16, pi0_error *err) {
     if (!m || !dir) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "pi0_model_save: model and dir are required");
+    if (m->ops->keep)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "pi0_model_save: a model on the %s backend keeps its weights on "
+                        "the device only; save it from a cpu-backend model", m->ops->name);
     return checkpoint_write(dir, &m->dims, m->specs, m->num_specs, bf16, err);
 }
 
@@ -148,6 +185,10 @@ pi0_backend pi0_model_backend(const pi0_model *m) {
 
 uint64_t pi0_model_device_memory(const pi0_model *m) {
     return m->ops->device_bytes(m);
+}
+
+uint64_t pi0_model_graph_captures(const pi0_model *m) {
+    return m && m->ops->graph_captures ? m->ops->graph_captures(m) : 0;
 }
 
 uint64_t pi0_model_num_params(const pi0_model *m) {

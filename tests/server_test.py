@@ -175,11 +175,11 @@ def sanitizer_report(text):
 
 
 class RawWs:
-    def __init__(self, port, timeout=20):
+    def __init__(self, port, timeout=20, version="13", http="HTTP/1.1"):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall((f"GET /any/path HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
-                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+        self.sock.sendall((f"GET /any/path {http}\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: {version}\r\n"
                            f"Authorization: Api-Key test\r\n\r\n").encode())
         self.buf = b""
         while b"\r\n\r\n" not in self.buf:
@@ -420,6 +420,10 @@ def run(workdir, servers):
         st = first["server_timing"]
         assert st["infer_ms"] > 0 and "prev_total_ms" not in st and st["batch_size"] == 1, st
         assert second["server_timing"]["prev_total_ms"] > 0, second["server_timing"]
+        assert second["server_timing"]["prev_send_ms"] >= 0, second["server_timing"]
+        parts = ("receive_ms", "prep_queue_ms", "decode_ms", "prepare_ms", "queue_ms", "model_ms", "encode_ms")
+        assert all(st[k] >= 0 for k in parts) and st["prepare_ms"] > 0 and st["model_ms"] > 0, st
+        assert st["model_ms"] == first["policy_timing"]["infer_ms"], (st, first["policy_timing"])
         return f"server_timing {third['server_timing']}"
 
     check("LIBERO: actions equal pi0 infer's exactly, openpi's reply fields", t_libero_exact)
@@ -751,6 +755,40 @@ def run(workdir, servers):
 
     check(f"{LOAD_CLIENTS} clients x {LOAD_REQUESTS} requests: no failures, flat RSS, batching", t_load)
 
+    def t_websocket_edges():
+        refused = []
+        for version, http in (("8", "HTTP/1.1"), ("garbage", "HTTP/1.1"), ("13", "HTTP/1.0")):
+            try:
+                RawWs(srv.port, timeout=10, version=version, http=http).close()
+            except (RuntimeError, ConnectionError, socket.timeout) as e:
+                refused.append(f"{http} v{version}: {str(e)[:40]}")
+                continue
+            raise AssertionError(f"upgraded a {http} handshake with Sec-WebSocket-Version {version}")
+        # a close code RFC 6455 does not allow on the wire: not echoed (the connection is just dropped)
+        echoed = []
+        for code in (5000, 65535, 1005, 999):
+            ws = RawWs(srv.port)
+            ws.recv_message()
+            ws.send_frame(8, struct.pack("!H", code))
+            ws.sock.settimeout(10)
+            try:
+                kind, payload = ws.recv_message()
+                echoed.append((code, kind, payload))
+            except (ConnectionError, socket.timeout):
+                pass
+            ws.close()
+        assert not [e for e in echoed if e[0] == e[2][0]], f"invalid close codes echoed: {echoed}"
+        ws = RawWs(srv.port)  # a valid one is echoed
+        ws.recv_message()
+        ws.send_frame(8, struct.pack("!H", 1000))
+        kind, (code, _) = ws.recv_message()
+        ws.close()
+        assert (kind, code) == ("close", 1000), (kind, code)
+        return f"refused: {'; '.join(refused)}; invalid close codes dropped, 1000 echoed"
+
+    check("websocket edge cases: version 8/garbage and HTTP/1.0 refused, invalid close codes not echoed",
+          t_websocket_edges)
+
     def t_shutdown():
         # clients connected: one idle, one in a request; SIGTERM -> they get 1001 and the server exits 0 at once
         idle = websockets.sync.client.connect(srv.uri, compression=None, max_size=None)
@@ -796,6 +834,138 @@ def run(workdir, servers):
         assert r.returncode == 0 and "--max-batch" in r.stdout, r.returncode
 
     check("port in use -> exit 1; bad command line -> exit 2; --help", t_port_in_use)
+
+    def t_stalled_requests():
+        # 16 clients announce 63 MB frames, send 8 MB and go silent: the transit budget (64 MB) refuses some at
+        # once, the request timeout (2 s) ends the others, RSS stays within the budget, and a good client (its
+        # request below 1 MB) is served meanwhile
+        lim = Server(workdir, checkpoint, "libero", "--seed", str(SEED), "--max-transit-mb", "64",
+                     "--request-timeout-s", "2", "--idle-timeout-s", "1", "--quiet", name="limits")
+        servers.append(lim)
+        rss0 = lim.rss_kb()
+        stalled, outcomes = [], {}
+        chunk = RawWs.mask(bytes(8 << 20))
+        for _ in range(16):
+            ws = RawWs(lim.port)
+            ws.recv_message()
+            try:
+                ws.sock.sendall(RawWs.frame_header(2, 63 << 20) + chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            stalled.append(ws)
+        peak = lim.rss_kb()
+        c = WebsocketClientPolicy(lim.uri)
+        reply = c.infer(obs)
+        for ws in stalled:
+            ws.sock.settimeout(10)
+            try:
+                kind, payload = ws.recv_message()
+                key = "arriving" if b"arriving" in payload else "not complete" if b"not complete" in payload else payload[:60]
+                outcomes[key] = outcomes.get(key, 0) + 1
+            except (ConnectionError, socket.timeout):
+                outcomes["dropped"] = outcomes.get("dropped", 0) + 1
+            ws.close()
+        c2 = WebsocketClientPolicy(lim.uri)
+        second = c2.infer(obs)
+        c2._ws.close()
+        grew = (peak - rss0) / 1024
+        assert outcomes.get("arriving", 0) > 0 and outcomes.get("not complete", 0) > 0, outcomes
+        assert grew < 64 + 40, f"RSS grew by {grew:.0f} MB with 16 stalled 63 MB requests (budget 64 MB)"
+        assert np.array_equal(reply["actions"], ref["libero"]) and np.array_equal(second["actions"], ref["libero"])
+        # the first client has been idle for more than a second since its answer: closed with 1001
+        time.sleep(1.5)
+        try:
+            c.infer(obs)
+            raise AssertionError("an idle connection was not closed after --idle-timeout-s")
+        except websockets.exceptions.ConnectionClosed as e:
+            assert e.rcvd and e.rcvd.code == 1001, e
+        return f"RSS +{grew:.0f} MB; outcomes {outcomes}; idle connection closed with 1001"
+
+    check("16 stalled 63 MB requests: transit budget and request timeout bound RSS; idle timeout", t_stalled_requests)
+
+    def t_vanished_requests():
+        # 24 clients connect, each sends a 6 MB observation, then all hang up before their answers: the queue
+        # budget (64 MB) refuses those past it, and the accepted ones still waiting are dropped before they run
+        vsrv = Server(workdir, checkpoint, "libero", "--seed", str(SEED), "--max-queue-mb", "64", "--prep-threads", "1",
+                      name="vanish")
+        servers.append(vsrv)
+        rng = np.random.default_rng(3)
+        big = dict(obs)
+        big["observation/image"] = rng.integers(0, 256, (1000, 1000, 3), dtype=np.uint8)
+        big["observation/wrist_image"] = rng.integers(0, 256, (1000, 1000, 3), dtype=np.uint8)
+        data = msgpack_numpy.packb(big)
+        clients = []
+        for _ in range(24):
+            ws = RawWs(vsrv.port)
+            ws.recv_message()
+            clients.append(ws)
+        hwm0 = vsrv.hwm_kb()
+        frame = RawWs.frame_header(2, len(data)) + RawWs.mask(data)
+        for ws in clients:
+            ws.sock.sendall(frame)
+        time.sleep(0.05)  # the server has read them (a reset would discard what it has not), not answered them
+        for ws in clients:
+            ws.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            ws.close()
+        c = WebsocketClientPolicy(vsrv.uri)
+        check_actions(c.infer(obs), ref["libero"])
+        c._ws.close()
+        grew = (vsrv.hwm_kb() - hwm0) / 1024
+        rc, _ = vsrv.stop()
+        log = vsrv.stderr()
+        m = re.search(r"served (\d+) requests.* (\d+) dropped \(client gone\)", log)
+        served, dropped = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        busy = log.count("server busy")
+        assert rc == 0 and dropped > 0 and busy > 0, (rc, dropped, busy, log[-1500:])
+        bound = 64 + 8 + 2 * 8 + 60  # queue budget, one arriving, one being prepared (bytes + decoded), slack
+        assert grew < bound, f"peak RSS grew by {grew:.0f} MB (bound {bound})"
+        return f"{busy} refused (queue full), {dropped} dropped unrun, {served - 1} run; peak RSS +{grew:.0f} MB"
+
+    check("24 clients send 6 MB and vanish: queue budget, requests dropped unrun, RSS bounded", t_vanished_requests)
+
+    def t_descriptor_limit():
+        # with 96 descriptors, 120 idle websockets: those past the limit are closed on accept; the server does
+        # not spin, and serves again once clients leave
+        import resource
+
+        def low_limit():
+            resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+
+        args = [BIN, "serve", "--checkpoint", checkpoint, "--adapter", "libero", "--port", "0", "--backend", "cpu",
+                "--steps", str(STEPS), "--seed", str(SEED), "--quiet"]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=low_limit)
+        try:
+            line = proc.stdout.readline()
+            port = int(re.match(rb"listening on ws://[^:]+:(\d+)", line).group(1))
+            socks, refused = [], 0
+            for _ in range(120):
+                try:
+                    socks.append(RawWs(port, timeout=5))
+                except (RuntimeError, ConnectionError, socket.timeout, OSError):
+                    refused += 1
+            def cpu_s():
+                with open(f"/proc/{proc.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            c0 = cpu_s()
+            time.sleep(2)
+            busy = cpu_s() - c0
+            for ws in socks[:40]:
+                ws.close()
+            time.sleep(0.3)
+            c = WebsocketClientPolicy(f"ws://127.0.0.1:{port}")
+            check_actions(c.infer(obs), ref["libero"])
+            c._ws.close()
+            assert refused > 0, "no connection was refused at 96 descriptors"
+            assert busy < 0.5, f"the server used {busy:.2f} s of CPU in 2 s with {len(socks)} idle connections"
+            for ws in socks[40:]:
+                ws.close()
+            return f"{len(socks)} accepted, {refused} refused; {busy:.2f} s CPU in 2 s idle; serves after clients leave"
+        finally:
+            proc.kill()
+            proc.wait()
+
+    check("at the descriptor limit: refused on accept, no spin, serving again after", t_descriptor_limit)
 
     print(f"{passed} passed, {failed} failed")
     return 0 if failed == 0 else 1

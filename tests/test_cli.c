@@ -215,6 +215,8 @@ TEST(init_then_bench_json) {
     CHECK(json_integer_value(json_object_get(o, "batch")) == 2);
     CHECK(json_real_value(json_object_get(o, "samples_per_s")) > 0);
     CHECK(json_object_get(json_object_get(o, "stages_ms"), "denoise") != NULL);
+    double load_s = json_real_value(json_object_get(o, "load_s")), host = json_real_value(json_object_get(o, "host_memory_after_load_gb"));
+    CHECK(load_s > 0 && host > 0 && host < 1, "load %g s, host memory after load %g GB", load_s, host);
     json_decref(o);
     o = run_json("bench --dims %s --iters 2 --warmup 0 --masked-cameras 0 --json%s", cfg, "");
     CHECK(o != NULL, "bench on random weights of given dims");

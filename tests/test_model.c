@@ -477,7 +477,7 @@ TEST(weight_sizes_saturate) {
     CHECK(q_numel == UINT64_MAX, "q_proj numel %llu", (unsigned long long)q_numel);
     pi0_error err = {0};
     if (q_numel == UINT64_MAX)
-        CHECK(weights_alloc(&w, specs, n, &err) == PI0_ERR_OUT_OF_MEMORY && w.arena == NULL, "%s", err.message);
+        CHECK(weights_alloc(&w, specs, n, NULL, &err) == PI0_ERR_OUT_OF_MEMORY && w.arena == NULL, "%s", err.message);
     weights_free(&w);
     free(specs);
 }
@@ -592,6 +592,50 @@ TEST(invalid_tokens_do_not_matter) {
     free(a), free(b);
     fixture_close(&f);
 }
+
+/* Uniform mode computes masked cameras and padding too (never as keys): the same actions as skipping them,
+ * garbage in them changes nothing, and batches that differ in masks and prompt lengths share one shape. */
+static void check_uniform_shape(const char *name) {
+    fixture f;
+    REQUIRE(fixture_open(&f, name, NULL) == 0);
+    size_t n = actions_len(&f);
+    float *skipped = malloc(n * sizeof(float)), *uniform = malloc(n * sizeof(float)), *garbage = malloc(n * sizeof(float));
+    pi0_error err = {0};
+    f.batch.num_steps = 3;
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, skipped, NULL, &err) == PI0_OK, "%s", err.message);
+    f.batch.uniform_shape = 1;
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, uniform, NULL, &err) == PI0_OK, "%s", err.message);
+    double e = rel_error(uniform, skipped, n);
+    CHECK(e < 1e-5, "%s: uniform vs skipped %.3g", name, e);
+    float *ref = f32_copy(st_find(&f.io, "actions_3step"));
+    CHECK(rel_error(uniform, ref, n) <= TOL_F32, "%s: uniform vs openpi %.3g", name, rel_error(uniform, ref, n));
+    free(ref);
+    for (size_t i = 0; i < (size_t)224 * 224 * 3; i++) f.images[2][i] = 1e30f; /* sample 0's masked camera */
+    for (int i = 0; i < f.batch.prompt_len; i++)
+        if (!f.prompt_mask[i]) f.prompt_ids[i] = -12345;
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, garbage, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(memcmp(uniform, garbage, n * sizeof(float)) == 0, "%s: masked inputs changed the actions in uniform mode", name);
+    /* every mask pattern, one shape */
+    pi0_plan a, b;
+    REQUIRE(plan_build(pi0_model_dims(f.model), &f.batch, &a, &err) == PI0_OK, "%s", err.message);
+    uint8_t masks[64 * 3], ids_mask[64 * 64] = {0};
+    pi0_batch other = f.batch;
+    memset(masks, 0, sizeof masks);
+    masks[0] = 1; /* only sample 0's first camera, one prompt token */
+    ids_mask[0] = 1;
+    other.image_masks = masks, other.prompt_mask = ids_mask;
+    REQUIRE(plan_build(pi0_model_dims(f.model), &other, &b, &err) == PI0_OK, "%s", err.message);
+    CHECK(a.total_prefix == b.total_prefix && a.num_images == b.num_images && a.max_prefix == b.max_prefix &&
+          a.cache_rows == b.cache_rows, "%s: shapes differ: %d/%d rows, %d/%d images", name, a.total_prefix, b.total_prefix,
+          a.num_images, b.num_images);
+    CHECK(b.prefix_keys[0] == 256 + 1 && b.prefix_keys[1] == 0, "%s: keys %d %d", name, b.prefix_keys[0], b.prefix_keys[1]);
+    plan_free(&a), plan_free(&b);
+    free(skipped), free(uniform), free(garbage);
+    fixture_close(&f);
+}
+
+TEST(uniform_shape_pi0) { check_uniform_shape("pi0_tiny"); }
+TEST(uniform_shape_pi05) { check_uniform_shape("pi05_tiny"); }
 
 TEST(bad_batches_are_rejected) {
     fixture f;
@@ -748,6 +792,8 @@ int main(int argc, char **argv) {
     RUN(pi05_kind_defaults_and_no_state);
     RUN(pi05_lerobot_names);
     RUN(invalid_tokens_do_not_matter);
+    RUN(uniform_shape_pi0);
+    RUN(uniform_shape_pi05);
     RUN(bad_batches_are_rejected);
     RUN(nonfinite_inputs_are_refused);
     RUN(random_weights_deterministic_and_saveable);

@@ -5,6 +5,7 @@
  * equivalences, batched vs alone, per-observation errors, and how pi0_policy_open finds its files.
  * The model is the pi0_tiny fixture's dims with random weights and the test tokenizer's 2000-piece vocabulary.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -388,6 +389,12 @@ TEST(adapter_generic_valid) {
     write_text(path, "{\"cameras\": [\"c\"], \"state\": [\"s\"], \"prompt\": \"task/instruction\", \"action_dims\": 2}");
     REQUIRE(pi0_adapter_open(path, &a, &err) == PI0_OK, "%s", err.message);
     CHECK(!strcmp(a->prompt_key, "task/instruction") && a->default_prompt == NULL);
+    CHECK(!a->camera_optional[0], "cameras are required unless listed in optional_cameras");
+    pi0_adapter_free(a);
+    write_text(path, "{\"cameras\": [\"top\", \"left\", \"right\"], \"optional_cameras\": [\"right\", \"left\"], "
+                     "\"state\": [\"s\"], \"action_dims\": 2}");
+    REQUIRE(pi0_adapter_open(path, &a, &err) == PI0_OK, "%s", err.message);
+    CHECK(!a->camera_optional[0] && a->camera_optional[1] && a->camera_optional[2]);
     pi0_adapter_free(a);
 }
 
@@ -422,6 +429,12 @@ TEST(adapter_generic_invalid) {
         {"{\"cameras\": [\"c\"], \"state\": [\"s\"], \"action_dims\": 7.5}", "\"action_dims\" must be"},
         {"{\"cameras\": [\"c\"], \"state\": [\"s\"], \"action_dims\": 100000}", "\"action_dims\" must be"},
         {"{\"cameras\": [\"c\"], \"state\": [\"s\"], \"action_dims\": 7, \"action_dims\": 8}", "duplicate"},
+        {"{\"cameras\": [\"c\"], \"optional_cameras\": \"c\", \"state\": [\"s\"], \"action_dims\": 7}",
+         "\"optional_cameras\" is a string"},
+        {"{\"cameras\": [\"c\"], \"optional_cameras\": [\"d\"], \"state\": [\"s\"], \"action_dims\": 7}",
+         "\"optional_cameras\"[0] is \"d\", which is not one of \"cameras\""},
+        {"{\"cameras\": [\"c\"], \"optional_cameras\": [null], \"state\": [\"s\"], \"action_dims\": 7}",
+         "\"optional_cameras\"[0] is null"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         write_text(path, cases[i].json);
@@ -691,6 +704,69 @@ TEST(batch_equals_alone) {
 }
 
 /* A bad observation fails alone, with an error naming the key and the problem; the others still run. */
+typedef struct {
+    const pi0_policy *policy;
+    const pi0_observation *obs;
+    pi0_prepared *prepared;
+    pi0_status status;
+} prepare_job;
+
+static void *prepare_thread(void *arg) {
+    prepare_job *j = arg;
+    pi0_error err = {0};
+    j->status = pi0_policy_prepare(j->policy, j->obs, &j->prepared, &err);
+    return NULL;
+}
+
+/* The server's split: observations prepared on threads of their own, all at once, then run together, give
+ * what pi0_policy_infer gives; a bad one carries its error through. Then warm-up covers every shape. */
+TEST(prepare_on_threads_then_infer) {
+    pi0_error err = {0};
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
+    REQUIRE(pol, "%s", err.message);
+    enum { N = 3 };
+    libero_obs o[N];
+    const char *prompts[N] = {"pick up the bowl", "open the top drawer", "turn on the stove"};
+    const pi0_observation *list[N];
+    uint64_t seeds[N] = {1, 2, 3};
+    for (int i = 0; i < N; i++) libero_make(&o[i], 30 + i, prompts[i]), list[i] = &o[i].b.obs;
+    obs_drop(&o[1].b, "observation/state");
+    prepare_job jobs[N];
+    pthread_t threads[N];
+    for (int i = 0; i < N; i++) {
+        jobs[i] = (prepare_job){.policy = pol, .obs = list[i]};
+        REQUIRE(pthread_create(&threads[i], NULL, prepare_thread, &jobs[i]) == 0);
+    }
+    for (int i = 0; i < N; i++) pthread_join(threads[i], NULL);
+    CHECK(jobs[0].status == PI0_OK && jobs[2].status == PI0_OK && jobs[1].status == PI0_ERR_INVALID_ARGUMENT);
+    const pi0_prepared *prepared[N] = {jobs[0].prepared, jobs[1].prepared, jobs[2].prepared};
+    REQUIRE(prepared[0] && prepared[1] && prepared[2], "a failed preparation still gives its error holder");
+    pi0_policy_result split[N], whole[N];
+    REQUIRE(pi0_policy_infer_prepared(pol, prepared, seeds, N, split, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_policy_infer(pol, list, seeds, N, whole, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(same_result(&split[0], &whole[0]) && same_result(&split[2], &whole[2]));
+    CHECK(split[1].error.status == PI0_ERR_INVALID_ARGUMENT && split[1].actions == NULL &&
+          strstr(split[1].error.message, "observation/state"), "%s", split[1].error.message);
+    CHECK(split[0].prepare_ms > 0 && split[0].model_ms > 0 && split[0].model_ms == split[2].model_ms,
+          "timings: prepare %.3f model %.3f / %.3f", split[0].prepare_ms, split[0].model_ms, split[2].model_ms);
+    for (int i = 0; i < N; i++)
+        pi0_policy_result_free(&split[i]), pi0_policy_result_free(&whole[i]), pi0_prepared_free(jobs[i].prepared);
+    CHECK(pi0_policy_prepare(pol, NULL, &jobs[0].prepared, &err) == PI0_ERR_INVALID_ARGUMENT);
+
+    double seconds = -1;
+    CHECK(pi0_policy_warmup(pol, 2, &seconds, &err) == PI0_OK && seconds == 0, "the CPU has nothing to warm up: %s", err.message);
+    CHECK(pi0_policy_warmup(pol, 0, NULL, &err) == PI0_ERR_INVALID_ARGUMENT);
+    CHECK(pi0_policy_warmup(pol, PI0_MAX_BATCH + 1, NULL, &err) == PI0_ERR_INVALID_ARGUMENT);
+    pi0_policy_result again;
+    REQUIRE(infer1(pol, list[0], seeds[0], &again) == PI0_OK); /* warm-up leaves nothing behind */
+    pi0_policy_result first;
+    REQUIRE(infer1(pol, list[0], seeds[0], &first) == PI0_OK);
+    CHECK(same_result(&again, &first));
+    pi0_policy_result_free(&again), pi0_policy_result_free(&first);
+    for (int i = 0; i < N; i++) libero_free(&o[i]);
+    pi0_policy_free(pol);
+}
+
 TEST(bad_observations_fail_alone) {
     pi0_error err = {0};
     pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
@@ -917,6 +993,40 @@ TEST(generic_adapter_runs) {
     obs_string(&b, "prompt", "something else entirely");
     REQUIRE(infer1(pol, &b.obs, 4, &r) == PI0_OK);
     CHECK(result_matches(&r, want, 10, 5), "prompt: null");
+    pi0_policy_result_free(&r);
+    pi0_policy_free(pol);
+
+    /* an optional camera left out is zeros with its mask false, alone and next to one that has it */
+    write_text(path, "{\"cameras\": [null, \"cam/wrist\", \"cam/top\"], \"optional_cameras\": [\"cam/wrist\"],\n"
+                     " \"state\": [\"arm\", \"hand\"], \"prompt\": null, \"default_prompt\": \"wipe the table\", "
+                     "\"action_dims\": 5}");
+    REQUIRE((pol = make_policy(path, PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err)), "%s", err.message);
+    obs_builder no_wrist;
+    obs_init(&no_wrist);
+    obs_array(&no_wrist, "cam/top", PI0_DTYPE_U8, 3, (int64_t[]){30, 40, 3}, top);
+    obs_array(&no_wrist, "arm", PI0_DTYPE_F32, 1, (int64_t[]){6}, arm);
+    obs_array(&no_wrist, "hand", PI0_DTYPE_BOOL, 1, (int64_t[]){2}, hand);
+    const pi0_image *top_only[3] = {NULL, NULL, &t};
+    double want_top[10 * 5];
+    REQUIRE(reference(&ref, top_only, state, 8, "wipe the table", 4, PI0_NORM_ZSCORE, 5, want_top) == 0);
+    REQUIRE(infer1(pol, &no_wrist.obs, 4, &r) == PI0_OK);
+    CHECK(result_matches(&r, want_top, 10, 5), "optional camera missing");
+    pi0_policy_result_free(&r);
+    const pi0_observation *mixed[2] = {&b.obs, &no_wrist.obs};
+    pi0_policy_result two[2];
+    REQUIRE(pi0_policy_infer(pol, mixed, (uint64_t[]){4, 4}, 2, two, NULL, &err) == PI0_OK, "%s", err.message);
+    double worst[2] = {0, 0};
+    const double *wants[2] = {want, want_top};
+    for (int i = 0; i < 2; i++)
+        for (int k = 0; two[i].actions && k < 10 * 5; k++) {
+            double dk = fabs(two[i].actions[k] - wants[i][k]) / (fabs(wants[i][k]) + 1e-3);
+            if (dk > worst[i]) worst[i] = dk;
+        }
+    CHECK(two[0].actions && two[1].actions && worst[0] < 1e-4 && worst[1] < 1e-4,
+          "with and without the optional camera in one batch: %.3g %.3g", worst[0], worst[1]);
+    pi0_policy_result_free(&two[0]), pi0_policy_result_free(&two[1]);
+    obs_drop(&no_wrist, "cam/top"); /* a required camera is still required */
+    CHECK(infer1(pol, &no_wrist.obs, 4, &r) != PI0_OK && strstr(r.error.message, "cam/top"), "%s", r.error.message);
     pi0_policy_result_free(&r);
     pi0_policy_free(pol);
 
@@ -1195,6 +1305,7 @@ int main(int argc, char **argv) {
     RUN(quantile_mode_matches_reference);
     RUN(layouts_and_dtypes_are_equivalent);
     RUN(batch_equals_alone);
+    RUN(prepare_on_threads_then_infer);
     RUN(bad_observations_fail_alone);
     RUN(nonfinite_actions_fail);
     RUN(token_ids_outside_vocabulary);

@@ -108,9 +108,14 @@ static int gemma_block(const gemma_layer *l, const pi0_stack_dims *d, float *x, 
 
 /* ---- vision ------------------------------------------------------------------------------------ */
 
-/* Cuts an HWC image into patches flattened as (channel, row, col), matching (W, 3, p, p) weights. */
+/* Cuts an HWC image into patches flattened as (channel, row, col), matching (W, 3, p, p) weights; a NULL
+ * image (a masked camera in uniform mode) is zeros. */
 static void extract_patches(const float *image, int image_size, int patch, float *out) {
     int grid = image_size / patch, patch_dim = 3 * patch * patch;
+    if (!image) {
+        memset(out, 0, (size_t)grid * grid * patch_dim * sizeof(float));
+        return;
+    }
     for (int py = 0; py < grid; py++)
         for (int px = 0; px < grid; px++) {
             float *dst = out + (size_t)(py * grid + px) * patch_dim;
@@ -174,19 +179,19 @@ done:
 
 /* ---- prefix ------------------------------------------------------------------------------------ */
 
-/* Packs [image tokens, prompt embeddings * sqrt(width)] of every sample into x (total_prefix, D). */
+/* Every prefix row of x (total_prefix, D): an image token, or a prompt embedding * sqrt(width). */
 static void embed_prefix(const pi0_model *m, const pi0_plan *p, const float *vision_tokens, float *x) {
-    int D = m->dims.llm.width, P = image_tokens(&m->dims);
+    int D = m->dims.llm.width;
     float scale = (float)sqrt((double)D);
-    for (int b = 0; b < p->batch; b++) {
-        float *row = x + (size_t)p->prefix_start[b] * D;
-        size_t image_floats = (size_t)(p->image_start[b + 1] - p->image_start[b]) * P * D;
-        memcpy(row, vision_tokens + (size_t)p->image_start[b] * P * D, image_floats * sizeof(float));
-        row += image_floats;
-        for (int i = p->prompt_start[b]; i < p->prompt_start[b + 1]; i++, row += D) {
-            const float *e = m->weights.embed + (size_t)p->prompt_ids[i] * D;
-            for (int j = 0; j < D; j++) row[j] = e[j] * scale;
+    for (int r = 0; r < p->total_prefix; r++) {
+        float *row = x + (size_t)r * D;
+        int src = p->prefix_src[r];
+        if (src >= 0) {
+            memcpy(row, vision_tokens + (size_t)src * D, D * sizeof(float));
+            continue;
         }
+        const float *e = m->weights.embed + (size_t)(-src - 1) * D;
+        for (int j = 0; j < D; j++) row[j] = e[j] * scale;
     }
 }
 
@@ -440,4 +445,4 @@ static uint64_t cpu_device_bytes(const pi0_model *m) {
     return 0;
 }
 
-const pi0_backend_ops pi0_cpu_backend = {"cpu", cpu_init, cpu_sample, cpu_release, cpu_device_bytes};
+const pi0_backend_ops pi0_cpu_backend = {"cpu", cpu_init, cpu_sample, cpu_release, cpu_device_bytes, NULL, NULL};

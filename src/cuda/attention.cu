@@ -31,7 +31,7 @@
  * still fits on the GPU in one wave; grids that fill the GPU anyway (big batches) and the ViT are not split.
  * Before sm_90 (no clusters) there is no split.
  *
- * head_dim is a template constant: 256 (Gemma) and 72 (SigLIP). For 72 the QK^T contraction is
+ * head_dim is a template constant for Pi0's: 256 (Gemma) and 72 (SigLIP). For 72 the QK^T contraction is
  * padded to 80 with zero columns in shared memory (global memory is never read past column 72) and
  * the output is 9 n8 tiles. Shared-memory rows are padded by 16 bytes, which makes every ldmatrix and
  * the staging stores free of bank conflicts. Shared memory per block: Q + K + V tiles of 64 rows =
@@ -39,6 +39,13 @@
  * of sm_86/sm_89), 33 KB for 72. For 72 the Q fragments stay in registers for the whole loop; for 256
  * they are re-read from shared memory per tile (keeping them would cost 64 more registers on top of
  * the 128 of the O accumulator and spill).
+ *
+ * Other head dims (any multiple of 8 up to 256: models the CPU runs, test models) run padded: an
+ * instantiation with PADDED = true and HD = 64, 128 or 256 takes the call's head_dim <= HD at run time,
+ * copies its head_dim columns and leaves columns [head_dim, HDP) of the tiles zero. That is exact: zero
+ * columns of Q and K add nothing to Q K^T, those of V give output columns that are never written out.
+ * (One instantiation per head dim instead, 32 of them, would take this file's build from ~30 s to ~4 min
+ * for the four GPU archs, and the library from ~3 to ~13 MB.)
  *
  * Trade-offs and what is left on the table: (1) mma.sync rather than Hopper's wgmma/TMA: portable to
  * sm_80..sm_90 and simple; attention is a small share of the inference (docs/performance.md), so well under the
@@ -77,7 +84,6 @@ struct AttnConfig {
     static constexpr int LDS = HDP + 8;               /* smem row stride (elements): +16 bytes vs bank conflicts */
     static constexpr int KCH = HDP / 16;              /* k16 steps of Q K^T */
     static constexpr int NTO = HD / 8;                /* n8 output tiles of P V */
-    static constexpr int CH = HD / 8;                 /* 16-byte chunks of one global row */
     static constexpr int TILE = kRows * LDS;          /* elements of one smem tile (Q, K or V) */
     static constexpr size_t SMEM = 3 * (size_t)TILE * sizeof(uint16_t);
     /* key-split combine: fp32 partial O (row stride HD + 4 floats), then row max and row sum */
@@ -94,6 +100,7 @@ struct AttnParams {
     float scale_log2; /* scale * log2(e) */
     int vec_q, vec_kv, vec_o; /* 16-byte paths allowed */
     int split;        /* blocks (one thread-block cluster, sm_90+) sharing the keys of one row tile */
+    int head_dim;     /* the call's; a padded instantiation (PADDED) runs any multiple of 8 up to its HD */
 };
 
 extern __shared__ __align__(16) unsigned char attn_smem[];
@@ -118,6 +125,18 @@ __device__ __forceinline__ void copy_chunk(uint16_t *dst, const uint16_t *src, b
         }
         *reinterpret_cast<uint4 *>(dst) = w;
     }
+}
+
+/* Zeros columns [8 * chunks, HDP) of `rows` shared-memory rows from s on (stride LDS): the k16 pad of the
+ * contraction and, in a padded instantiation, the columns past the call's head dim. The copies never
+ * write them, so once per kernel is enough; zero columns add nothing to Q K^T, and P V's columns there
+ * are zeros that nobody writes out. */
+template <int HD>
+__device__ __forceinline__ void zero_pad_columns(uint16_t *s, int rows, int chunks, int tid, int threads) {
+    using C = AttnConfig<HD>;
+    const int pad = C::HDP / 8 - chunks;
+    for (int i = tid; i < rows * pad; i += threads)
+        *reinterpret_cast<uint4 *>(s + (i / pad) * C::LDS + (chunks + i % pad) * 8) = make_uint4(0, 0, 0, 0);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -209,7 +228,7 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[HD / 8][4], const float
 template <int HD>
 __device__ __forceinline__ void combine_split(const float (&o)[HD / 8][4], float m0, float m1, float l0, float l1,
                                               int warp, int lane, int rank, int split, int r_begin, int rows_total,
-                                              int G, uint16_t *obase, int ldo, bool vec_o) {
+                                              int G, int hd, uint16_t *obase, int ldo, bool vec_o) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using C = AttnConfig<HD>;
     namespace cg = cooperative_groups;
@@ -254,8 +273,8 @@ __device__ __forceinline__ void combine_split(const float (&o)[HD / 8][4], float
         }
         const float inv = 1.f / L;
         const int t = vr / G, hh = vr - t * G;
-        uint16_t *dst_row = obase + (size_t)t * ldo + hh * HD;
-        for (int c = lane; c < C::CH; c += 32) {
+        uint16_t *dst_row = obase + (size_t)t * ldo + hh * hd;
+        for (int c = lane; c < hd / 8; c += 32) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int b = 0; b < kMaxSplit; b++) {
@@ -289,15 +308,18 @@ __device__ __forceinline__ void combine_split(const float (&o)[HD / 8][4], float
     }
 #else
     (void)o, (void)m0, (void)m1, (void)l0, (void)l1, (void)warp, (void)lane, (void)rank, (void)split;
-    (void)r_begin, (void)rows_total, (void)G, (void)obase, (void)ldo, (void)vec_o;
+    (void)r_begin, (void)rows_total, (void)G, (void)hd, (void)obase, (void)ldo, (void)vec_o;
     __trap(); /* the host never splits before sm_90 */
 #endif
 }
 
-/* head_dim 72: 4 blocks per SM (<= 128 registers); 256: 2 blocks per SM (shared memory bound). */
-template <int HD>
-__global__ void __launch_bounds__(kThreads, HD <= 128 ? 4 : 2) attention_kernel(AttnParams p) {
+/* head_dim 72: 4 blocks per SM (<= 128 registers); 256: 2 blocks per SM (shared memory bound); the
+ * padded 128: 2 (at 128 registers it would spill). PADDED: the call's head dim is p.head_dim <= HD (see
+ * kernel_head_dim). */
+template <int HD, bool PADDED>
+__global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(AttnParams p) {
     using C = AttnConfig<HD>;
+    const int hd = PADDED ? p.head_dim : HD, chunks = hd / 8; /* global columns and 16-byte chunks of a head */
     const attn_segment seg = p.segments[blockIdx.z];
     const int G = p.group, split = p.split;
     const int rows_total = seg.num_q * G; /* virtual rows of this segment */
@@ -319,29 +341,26 @@ __global__ void __launch_bounds__(kThreads, HD <= 128 ? 4 : 2) attention_kernel(
     const int block_vis = r_last < G ? state_vis : num_k;
     const int n_tiles = (block_vis + kKeys - 1) / kKeys;
 
-    const uint16_t *qbase = p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * HD;
-    const uint16_t *kbase = p.k + (size_t)seg.k_row * p.ldkv + (size_t)kvh * HD;
-    const uint16_t *vbase = p.v + (size_t)seg.k_row * p.ldkv + (size_t)kvh * HD;
+    const uint16_t *qbase = p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * hd;
+    const uint16_t *kbase = p.k + (size_t)seg.k_row * p.ldkv + (size_t)kvh * hd;
+    const uint16_t *vbase = p.v + (size_t)seg.k_row * p.ldkv + (size_t)kvh * hd;
     const bool vec_q = p.vec_q != 0, vec_kv = p.vec_kv != 0;
 
-    /* Zero the pad columns [HD, HDP) of all three tiles once: copies never touch them. */
-    if constexpr (C::HDP > HD) {
-        for (int i = tid; i < 3 * kRows; i += kThreads)
-            *reinterpret_cast<uint4 *>(sQ + (i / kRows) * C::TILE + (i % kRows) * C::LDS + HD) = make_uint4(0, 0, 0, 0);
-    }
+    /* The pad columns [hd, HDP) of all three tiles (contiguous rows) are zeros. */
+    if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, 3 * kRows, chunks, tid, kThreads);
 
     /* Q tile: virtual row r -> token r / G, head kvh * G + r % G; rows past the segment are zeros. */
-    for (int i = tid; i < kRows * C::CH; i += kThreads) {
-        const int r = i / C::CH, c = i % C::CH, vr = r_begin + r;
+    for (int i = tid; i < kRows * chunks; i += kThreads) {
+        const int r = i / chunks, c = i % chunks, vr = r_begin + r;
         const bool valid = vr < rows_total;
         const int t = valid ? vr / G : 0, hh = valid ? vr - t * G : 0;
-        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * HD + c * 8, valid, vec_q);
+        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * hd + c * 8, valid, vec_q);
     }
     cp_async_commit();
 
     auto load_kv = [&](uint16_t *dst, const uint16_t *base, int key0) {
-        for (int i = tid; i < kKeys * C::CH; i += kThreads) {
-            const int r = i / C::CH, c = i % C::CH, key = key0 + r;
+        for (int i = tid; i < kKeys * chunks; i += kThreads) {
+            const int r = i / chunks, c = i % chunks, key = key0 + r;
             const bool valid = key < num_k;
             copy_chunk(dst + r * C::LDS + c * 8, base + (size_t)(valid ? key : 0) * p.ldkv + c * 8, valid, vec_kv);
         }
@@ -453,10 +472,10 @@ __global__ void __launch_bounds__(kThreads, HD <= 128 ? 4 : 2) attention_kernel(
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    uint16_t *obase = p.out + (size_t)seg.q_row * p.ldo + (size_t)kvh * G * HD;
+    uint16_t *obase = p.out + (size_t)seg.q_row * p.ldo + (size_t)kvh * G * hd;
 
     if (split > 1) {
-        combine_split<HD>(o, m0, m1, l0, l1, warp, lane, rank, split, r_begin, rows_total, G, obase, p.ldo,
+        combine_split<HD>(o, m0, m1, l0, l1, warp, lane, rank, split, r_begin, rows_total, G, hd, obase, p.ldo,
                           p.vec_o != 0);
         return;
     }
@@ -476,11 +495,11 @@ __global__ void __launch_bounds__(kThreads, HD <= 128 ? 4 : 2) attention_kernel(
     }
     __syncwarp();
 
-    for (int i = lane; i < 16 * C::CH; i += 32) {
-        const int r = i / C::CH, c = i % C::CH, vr = r_begin + warp * 16 + r;
+    for (int i = lane; i < 16 * chunks; i += 32) {
+        const int r = i / chunks, c = i % chunks, vr = r_begin + warp * 16 + r;
         if (vr >= rows_total) continue;
         const int t = vr / G, hh = vr - t * G;
-        uint16_t *dst = obase + (size_t)t * p.ldo + hh * HD + c * 8;
+        uint16_t *dst = obase + (size_t)t * p.ldo + hh * hd + c * 8;
         const uint16_t *src = so + r * C::LDS + c * 8;
         if (p.vec_o) {
             *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
@@ -518,7 +537,7 @@ struct DeviceInfo {
 
 int g_split_override; /* pi0_cuda_attention_set_split */
 
-template <int HD>
+template <int HD, bool PADDED>
 cudaError_t configure(DeviceInfo *out) {
     static DeviceInfo info[kMaxDevices];
     int dev = 0;
@@ -531,26 +550,26 @@ cudaError_t configure(DeviceInfo *out) {
     }
     DeviceInfo d = {1, 1, 1, 1};
     int major = 0;
-    if ((e = cudaFuncSetAttribute(attention_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if ((e = cudaFuncSetAttribute(attention_kernel<HD, PADDED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)AttnConfig<HD>::SMEM)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(attention_kernel<HD>, cudaFuncAttributePreferredSharedMemoryCarveout,
+        (e = cudaFuncSetAttribute(attention_kernel<HD, PADDED>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                   (int)cudaSharedmemCarveoutMaxShared)) != cudaSuccess ||
         (e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess ||
         (e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.blocks_per_sm, attention_kernel<HD>, kThreads,
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.blocks_per_sm, attention_kernel<HD, PADDED>, kThreads,
                                                            AttnConfig<HD>::SMEM)) != cudaSuccess)
         return e;
     if (d.blocks_per_sm < 1) d.blocks_per_sm = 1;
     if (major >= 9) {
         /* clusters of 16 are "non-portable": allowed on H100/H200 once asked for; the occupancy query below
          * says whether the device can actually run them (else the next size down) */
-        if (cudaFuncSetAttribute(attention_kernel<HD>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+        if (cudaFuncSetAttribute(attention_kernel<HD, PADDED>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
             (void)cudaGetLastError();
         for (int split = kMaxSplit; split > 1; split /= 2) {
             cudaLaunchAttribute attr;
             cudaLaunchConfig_t cfg = cluster_config<HD>(dim3((unsigned)split, 1, 1), split, 0, &attr);
             int clusters = 0;
-            e = cudaOccupancyMaxActiveClusters(&clusters, attention_kernel<HD>, &cfg);
+            e = cudaOccupancyMaxActiveClusters(&clusters, attention_kernel<HD, PADDED>, &cfg);
             if (e != cudaSuccess) {
                 (void)cudaGetLastError(); /* not fatal: no split */
                 continue;
@@ -597,10 +616,10 @@ int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim) {
     return split;
 }
 
-template <int HD>
+template <int HD, bool PADDED>
 cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int num_kv_heads, cudaStream_t stream) {
     DeviceInfo d;
-    cudaError_t e = configure<HD>(&d);
+    cudaError_t e = configure<HD, PADDED>(&d);
     if (e != cudaSuccess) return e;
     const int kMaxZ = 65535;
     const int split =
@@ -613,12 +632,12 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
         const int n = num_segments - first < kMaxZ ? num_segments - first : kMaxZ;
         dim3 grid((unsigned)(row_tiles * split), (unsigned)num_kv_heads, (unsigned)n);
         if (split == 1) {
-            attention_kernel<HD><<<grid, kThreads, AttnConfig<HD>::SMEM, stream>>>(p);
+            attention_kernel<HD, PADDED><<<grid, kThreads, AttnConfig<HD>::SMEM, stream>>>(p);
             e = cudaGetLastError();
         } else {
             cudaLaunchAttribute attr;
             cudaLaunchConfig_t cfg = cluster_config<HD>(grid, split, stream, &attr);
-            e = cudaLaunchKernelEx(&cfg, attention_kernel<HD>, p);
+            e = cudaLaunchKernelEx(&cfg, attention_kernel<HD, PADDED>, p);
         }
         if (e != cudaSuccess) return e;
     }
@@ -652,14 +671,20 @@ struct DecodeConfig {
     static constexpr size_t PART_ROWS = (size_t)kDecodeBlocks * kDecodeRows; /* per (segment, kv head) */
 };
 
+/* The HD of the instantiation that runs a call's head_dim (a multiple of 8 up to 256): Pi0's own 72
+ * (SigLIP) and 256 (Gemma) exactly; any other padded (PADDED) to the next of 64, 128 and 256, paying for
+ * the zero columns' share of the math (see the design note). */
+int kernel_head_dim(int head_dim) { return head_dim == 72 ? 72 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
+
 /* Workspace: O partials [problem][block][row][HD] floats, then (max, sum) [problem][block][row]. */
 size_t decode_workspace_bytes(int problems, int head_dim) {
-    return (size_t)problems * kDecodeBlocks * kDecodeRows * ((size_t)head_dim + 2) * sizeof(float);
+    return (size_t)problems * kDecodeBlocks * kDecodeRows * ((size_t)kernel_head_dim(head_dim) + 2) * sizeof(float);
 }
 
-template <int HD>
+template <int HD, bool PADDED>
 __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnParams p, float *ws) {
     using C = AttnConfig<HD>;
+    const int hd = PADDED ? p.head_dim : HD, chunks = hd / 8; /* as in attention_kernel */
     pdl_trigger(); /* launched as a dependent (device.cuh): everything below needs the previous kernel */
     pdl_wait();
     const attn_segment seg = p.segments[blockIdx.z];
@@ -671,26 +696,23 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem);
     uint16_t *sK = sQ + kDecodeRows * C::LDS;
     uint16_t *sV = sK + kDecodeKeys * C::LDS;
-    const uint16_t *qbase = p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * HD;
-    const uint16_t *kbase = p.k + (size_t)seg.k_row * p.ldkv + (size_t)kvh * HD;
-    const uint16_t *vbase = p.v + (size_t)seg.k_row * p.ldkv + (size_t)kvh * HD;
+    const uint16_t *qbase = p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * hd;
+    const uint16_t *kbase = p.k + (size_t)seg.k_row * p.ldkv + (size_t)kvh * hd;
+    const uint16_t *vbase = p.v + (size_t)seg.k_row * p.ldkv + (size_t)kvh * hd;
     const bool vec_q = p.vec_q != 0, vec_kv = p.vec_kv != 0;
     const int row_tiles = (rows_total + 15) / 16;
 
-    if constexpr (C::HDP > HD) { /* zero the pad columns once */
-        for (int i = tid; i < kDecodeRows + 2 * kDecodeKeys; i += kDecodeThreads)
-            *reinterpret_cast<uint4 *>(sQ + i * C::LDS + HD) = make_uint4(0, 0, 0, 0);
-    }
-    for (int i = tid; i < row_tiles * 16 * C::CH; i += kDecodeThreads) {
-        const int r = i / C::CH, c = i % C::CH;
+    if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, kDecodeRows + 2 * kDecodeKeys, chunks, tid, kDecodeThreads);
+    for (int i = tid; i < row_tiles * 16 * chunks; i += kDecodeThreads) {
+        const int r = i / chunks, c = i % chunks;
         const bool valid = r < rows_total;
         const int t = valid ? r / G : 0, hh = valid ? r - t * G : 0;
-        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * HD + c * 8, valid, vec_q);
+        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * hd + c * 8, valid, vec_q);
     }
     auto load_kv = [&](int key0) {
-        for (int i = tid; i < 2 * kDecodeKeys * C::CH; i += kDecodeThreads) {
-            const int which = i / (kDecodeKeys * C::CH), j = i % (kDecodeKeys * C::CH);
-            const int r = j / C::CH, c = j % C::CH, key = key0 + r;
+        for (int i = tid; i < 2 * kDecodeKeys * chunks; i += kDecodeThreads) {
+            const int which = i / (kDecodeKeys * chunks), j = i % (kDecodeKeys * chunks);
+            const int r = j / chunks, c = j % chunks, key = key0 + r;
             const bool valid = key < num_k;
             copy_chunk((which ? sV : sK) + r * C::LDS + c * 8,
                        (which ? vbase : kbase) + (size_t)(valid ? key : 0) * p.ldkv + c * 8, valid, vec_kv);
@@ -778,7 +800,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
 /* One block per virtual row, one thread per output dim: merges the row's partials of every block that
  * had keys, in block order. The weights come first (one warp, into shared memory), so each thread's
  * loads of the partials are independent of each other and all in flight together. */
-template <int HD>
+template <int HD, bool PADDED>
 __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnParams p, const float *ws) {
     __shared__ float weight[kDecodeBlocks];
     __shared__ float inv_sum;
@@ -805,9 +827,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnPara
         if (lane == 0) inv_sum = 1.f / L; /* every row sees key 0, so some part has sum > 0 */
     }
     __syncthreads();
-    const int t = row / G, hh = row - t * G;
-    uint16_t *dst = p.out + ((size_t)seg.q_row + t) * p.ldo + ((size_t)blockIdx.y * G + hh) * HD;
-    for (int d = threadIdx.x; d < HD; d += kDecodeThreads) {
+    const int t = row / G, hh = row - t * G, hd = PADDED ? p.head_dim : HD;
+    uint16_t *dst = p.out + ((size_t)seg.q_row + t) * p.ldo + ((size_t)blockIdx.y * G + hh) * hd;
+    for (int d = threadIdx.x; d < hd; d += kDecodeThreads) {
         float acc = 0.f;
 #pragma unroll 8
         for (int b = 0; b < parts; b++) acc += wo[((size_t)b * kDecodeRows + row) * HD + d] * weight[b]; /* finite, weight 0 or not */
@@ -815,7 +837,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnPara
     }
 }
 
-template <int HD>
+template <int HD, bool PADDED>
 cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_heads, int max_rows, float *ws,
                           cudaStream_t stream) {
     static int configured[kMaxDevices];
@@ -823,7 +845,7 @@ cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_head
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
     if (dev < 0 || dev >= kMaxDevices || !__atomic_load_n(&configured[dev], __ATOMIC_ACQUIRE)) {
-        e = cudaFuncSetAttribute(decode_partial_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        e = cudaFuncSetAttribute(decode_partial_kernel<HD, PADDED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)DecodeConfig<HD>::SMEM);
         if (e != cudaSuccess) return e;
         if (dev >= 0 && dev < kMaxDevices) __atomic_store_n(&configured[dev], 1, __ATOMIC_RELEASE);
@@ -831,10 +853,10 @@ cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_head
     cudaLaunchAttribute attr;
     const dim3 partial_grid(kDecodeBlocks, (unsigned)num_kv_heads, (unsigned)num_segments);
     cudaLaunchConfig_t cfg = dependent_launch(partial_grid, dim3(kDecodeThreads), DecodeConfig<HD>::SMEM, stream, &attr);
-    if ((e = cudaLaunchKernelEx(&cfg, decode_partial_kernel<HD>, p, ws)) != cudaSuccess) return e;
+    if ((e = cudaLaunchKernelEx(&cfg, decode_partial_kernel<HD, PADDED>, p, ws)) != cudaSuccess) return e;
     const dim3 combine_grid((unsigned)max_rows, (unsigned)num_kv_heads, (unsigned)num_segments);
     cfg = dependent_launch(combine_grid, dim3(kDecodeThreads), 0, stream, &attr);
-    return cudaLaunchKernelEx(&cfg, decode_combine_kernel<HD>, p, (const float *)ws);
+    return cudaLaunchKernelEx(&cfg, decode_combine_kernel<HD, PADDED>, p, (const float *)ws);
 }
 
 
@@ -873,7 +895,7 @@ extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_b
                                              int num_segments, int max_num_q, int num_heads, int num_kv_heads,
                                              int head_dim, float scale, float *workspace, size_t workspace_bytes,
                                              cudaStream_t stream) {
-    if (head_dim != 16 && head_dim != 32 && head_dim != 72 && head_dim != 256) return cudaErrorInvalidValue;
+    if (head_dim <= 0 || head_dim % 8 || head_dim > PI0_CUDA_ATTN_MAX_HEAD_DIM) return cudaErrorInvalidValue;
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_kv_heads > 65535)
         return cudaErrorInvalidValue;
     if (num_segments < 0 || max_num_q < 0) return cudaErrorInvalidValue;
@@ -903,20 +925,25 @@ extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_b
     p.vec_kv = aligned16(k, ldkv) && aligned16(v, ldkv);
     p.vec_o = aligned16(out, ldo);
     p.split = 1;
+    p.head_dim = head_dim;
+    /* kernel_head_dim: 72 and 256 exact, the rest padded */
     if (workspace && use_decode(num_segments, num_kv_heads, rows, head_dim, workspace_bytes)) {
         const int r = (int)rows;
-        switch (head_dim) {
-        case 16: return launch_decode<16>(p, num_segments, num_kv_heads, r, workspace, stream);
-        case 32: return launch_decode<32>(p, num_segments, num_kv_heads, r, workspace, stream);
-        case 72: return launch_decode<72>(p, num_segments, num_kv_heads, r, workspace, stream);
-        default: return launch_decode<256>(p, num_segments, num_kv_heads, r, workspace, stream);
+        switch (kernel_head_dim(head_dim)) {
+        case 64: return launch_decode<64, true>(p, num_segments, num_kv_heads, r, workspace, stream);
+        case 72: return launch_decode<72, false>(p, num_segments, num_kv_heads, r, workspace, stream);
+        case 128: return launch_decode<128, true>(p, num_segments, num_kv_heads, r, workspace, stream);
+        default:
+            return head_dim == 256 ? launch_decode<256, false>(p, num_segments, num_kv_heads, r, workspace, stream)
+                                   : launch_decode<256, true>(p, num_segments, num_kv_heads, r, workspace, stream);
         }
     }
-    /* 72 and 256 are Pi0's (SigLIP, Gemma); 16 and 32 serve small test models such as the fixtures' */
-    switch (head_dim) {
-    case 16: return launch<16>(p, num_segments, row_tiles, num_kv_heads, stream);
-    case 32: return launch<32>(p, num_segments, row_tiles, num_kv_heads, stream);
-    case 72: return launch<72>(p, num_segments, row_tiles, num_kv_heads, stream);
-    default: return launch<256>(p, num_segments, row_tiles, num_kv_heads, stream);
+    switch (kernel_head_dim(head_dim)) {
+    case 64: return launch<64, true>(p, num_segments, row_tiles, num_kv_heads, stream);
+    case 72: return launch<72, false>(p, num_segments, row_tiles, num_kv_heads, stream);
+    case 128: return launch<128, true>(p, num_segments, row_tiles, num_kv_heads, stream);
+    default:
+        return head_dim == 256 ? launch<256, false>(p, num_segments, row_tiles, num_kv_heads, stream)
+                               : launch<256, true>(p, num_segments, row_tiles, num_kv_heads, stream);
     }
 }

@@ -22,6 +22,8 @@
 extern "C" {
 #endif
 
+#define PI0_CUDA_ATTN_MAX_HEAD_DIM 256 /* head dims are multiples of 8 up to this (Gemma's 256) */
+
 /*
  * For every segment s (the array lives in DEVICE memory), query i in [0, num_q) and head h in
  * [0, num_heads):
@@ -37,7 +39,8 @@ extern "C" {
  * CUDA graph and replayed while the segments' contents change (as long as max_num_q still holds).
  * Queries of different segments must not write the same output rows concurrently (they would race).
  *
- * Limits: head_dim 72 or 256 (Pi0), or 16 or 32 (small test models); num_heads a multiple of num_kv_heads; ldq >= num_heads * head_dim,
+ * Limits: head_dim a multiple of 8 up to PI0_CUDA_ATTN_MAX_HEAD_DIM (Pi0's 72 and 256 at full speed, others
+ * padded, attention.cu); num_heads a multiple of num_kv_heads, num_kv_heads <= 65535; ldq >= num_heads * head_dim,
  * ldkv >= num_kv_heads * head_dim, ldo >= num_heads * head_dim. Any alignment works; 16-byte aligned
  * base pointers with leading dimensions that are multiples of 8 take the fast (16-byte, asynchronous
  * copy) path. Returns cudaErrorInvalidValue for arguments outside these limits, cudaSuccess with no

@@ -14,7 +14,8 @@
 #include "util/error.h"
 
 #define ROPE_MAX_POS 16384 /* positions a plan may use: prefix + suffix of one sample */
-#define MAX_GRAPHS 8       /* captured shapes kept; the least recently used one goes first */
+#define MAX_GRAPHS 1024    /* captured shapes kept by default (PI0_CUDA_MAX_GRAPHS); past it the least recently
+                              used one goes first */
 
 typedef struct {
     float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
@@ -53,12 +54,25 @@ typedef struct {
     int batch, horizon, num_steps, num_images, total_prefix, max_prefix;
 } graph_shape;
 
-/* A graph's inputs, at the start of its device block and mirrored in pinned host memory. */
+/* A graph's inputs, at the start of the workspace and mirrored in pinned host memory. */
 typedef struct {
     float *images, *state, *x_t;
     int *prefix_src, *prefix_pos, *prefix_cache_row, *suffix_pos, *suffix_cache_row, *action_rows;
-    attn_segment *prefix_segments, *suffix_segments;
+    attn_segment *vit_segments, *prefix_segments, *suffix_segments;
 } graph_inputs;
+
+/* What a forward pass of num_steps steps reads besides the weights and its inputs, computed once per step
+ * count (forward.c's cuda_step_constants) and shared by every graph of that count. */
+typedef struct {
+    int num_steps;
+    char *device;          /* the block holding the tables below */
+    float *out_bias;       /* (A) dt * action_out_proj.bias: the Euler step is fused into that GEMM */
+    float *time_bias;      /* Pi0: (steps, We) time half of action_time_mlp_in + folded biases, per step */
+    float *mods;           /* Pi0.5: (2 depth + 1 norms, 3, steps, We): each norm's scale, shift, gate per step */
+    float *qkv_bias, *gate_up_bias; /* Pi0.5: (depth, steps, n): shift . w^T of the QKV and gate|up Linears */
+    float *time_emb;       /* Pi0.5: (steps, We) and the time MLP's hidden layer and output, the same size */
+    pi0_bf16 *in_scale;    /* Pi0.5: (2 depth, steps, We): bf16(1 + scale) of the layers' norms, for the skinny Linears */
+} step_tables;
 
 /* Scratch of one Gemma stack over `rows` rows: bf16 GEMM inputs and outputs, and Pi0.5's gated branch. */
 typedef struct {
@@ -66,24 +80,18 @@ typedef struct {
     float *branch; /* (rows, width): a residual branch before its gate */
 } gemma_buffers;
 
-/* One captured shape: its device block, inputs, per-shape constants, activations and the graph. */
+/* One shape's forward pass: where its inputs and activations lie in the backend's workspace (shared by
+ * every graph: graphs run one at a time), its step tables, and its captured graph. */
 typedef struct {
     graph_shape shape;
     int suffix_len;        /* suffix rows per sample: H + 1 (Pi0's state token) or H */
     uint64_t last_used;
     cudaGraphExec_t exec;
-    char *device, *host;   /* one device block; pinned host: inputs, then actions */
-    size_t device_size, inputs_size;
+    char *device, *host;   /* the workspace and its pinned host mirror (inputs, then actions) */
+    size_t inputs_size;
     graph_inputs in, in_host;
     float *actions_host;
-    /* per-shape constants (forward.c's step_constants) */
-    attn_segment *vit_segments;
-    float *out_bias;       /* (A) dt * action_out_proj.bias: the Euler step is fused into that GEMM */
-    float *time_bias;      /* Pi0: (steps, We) time half of action_time_mlp_in + folded biases, per step */
-    float *mods;           /* Pi0.5: (2 depth + 1 norms, 3, steps, We): each norm's scale, shift, gate per step */
-    float *qkv_bias, *gate_up_bias; /* Pi0.5: (depth, steps, n): shift . w^T of the QKV and gate|up Linears */
-    pi0_bf16 *in_scale;    /* Pi0.5: (2 depth, steps, We): bf16(1 + scale) of the layers' norms, for the skinny Linears */
-    float *time_emb;       /* Pi0.5: (steps, We) and the time MLP's hidden layer and output, the same size */
+    const step_tables *tables;
     /* activations */
     float *patches, *vit_x, *vision, *x, *suffix, *state_token, *action_tokens;
     pi0_bf16 *suffix_bf16; /* the suffix rows rounded to bf16: the skinny Linears' input */
@@ -98,8 +106,14 @@ typedef struct {
     gpu_weights w;
     gemm_context gemm;
     cudaStream_t stream;
-    cuda_graph *graphs[MAX_GRAPHS];
+    cuda_graph **graphs; /* [num_graphs] */
+    int num_graphs, cap_graphs, max_graphs;
     uint64_t clock; /* for least-recently-used eviction */
+    uint64_t captures; /* graphs made so far (pi0_model_graph_captures) */
+    char *work, *work_host; /* the shared workspace (device) and its pinned mirror */
+    size_t work_size, work_host_size;
+    step_tables **tables;   /* [num_tables], one per step count seen */
+    int num_tables;
     int use_skinny; /* skinny.h's Linears for blocks of <= SKINNY_MAX_ROWS rows */
     void **allocations; /* weight buffers, freed at release */
     int num_allocations, max_allocations;
@@ -122,11 +136,13 @@ typedef struct {
 /* cudaMalloc that counts bytes and remembers the pointer for release. */
 void *cuda_alloc(cuda_state *s, size_t bytes, pi0_error *err);
 
+/* weights.c: the GPU's copy of the weights, streamed from model_tensor_range except for what the host keeps. */
 pi0_status cuda_weights_upload(cuda_state *s, const pi0_model *m, pi0_error *err);
+int cuda_keeps_on_host(const pi0_weights *w, const weight_spec *spec);
 
 /* forward.c: the per-shape constants a graph's forward pass reads (computed once, when the graph is
  * made), and the whole sample_actions enqueued on s->stream (eagerly, or into a graph under capture). */
-pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err);
+pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, step_tables *t, pi0_error *err);
 pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err);
 
 #endif

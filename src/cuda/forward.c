@@ -111,7 +111,9 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
                               pi0_bf16 *cache_k, pi0_bf16 *cache_v, int kv_only, const block_mods *mods, pi0_error *err) {
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
     int qkv_dim = q_dim + 2 * kv_dim;
-    if (r->x_bf16 && s->use_skinny && r->rows <= SKINNY_MAX_ROWS && !kv_only)
+    /* a few rows: the skinny Linears, where the dims allow them; else cuBLASLt and the separate kernels below */
+    if (r->x_bf16 && s->use_skinny && r->rows <= SKINNY_MAX_ROWS && !kv_only &&
+        pi0_cuda_skinny_block_supported(W, d->mlp_dim, hd))
         return gemma_block_skinny(s, l, d, r, cache_k, cache_v, mods, err);
     TRY(block_norm(s, r, W, l->input_norm, mods ? &mods->attn : NULL, err));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));
@@ -149,7 +151,7 @@ static pi0_status vision_forward(cuda_state *s, const pi0_model *m, cuda_graph *
         TRY(gemm(s, (gemm_args){.m = rows, .n = 3 * Dv, .k = Dv, .x = g->vit_h, .w = l->qkv_w, .bias = l->qkv_b,
                                 .out = g->vit_qkv, .alpha = 1}, err));
         CUDA_TRY(pi0_cuda_attention(g->vit_att, Dv, g->vit_qkv, 3 * Dv, g->vit_qkv + Dv, g->vit_qkv + 2 * Dv, 3 * Dv,
-                                    g->vit_segments, n, P, v->num_heads, v->num_heads, v->head_dim,
+                                    g->in.vit_segments, n, P, v->num_heads, v->num_heads, v->head_dim,
                                     1.0f / sqrtf((float)v->head_dim), s->stream));
         TRY(gemm(s, (gemm_args){.m = rows, .n = Dv, .k = Dv, .x = g->vit_att, .w = l->o_w, .bias = l->o_b, .out = g->vit_x,
                                 .out_f32 = 1, .alpha = 1, .beta = 1}, err));
@@ -190,23 +192,27 @@ static pi0_status prefix_forward(cuda_state *s, const pi0_model *m, cuda_graph *
 /* ---- denoise ------------------------------------------------------------------------------------- */
 
 /* Adaptive norm n's part j (0 scale, 1 shift, 2 gate) at `step`: n = 2 layer (attention), 2 layer + 1 (MLP),
- * 2 depth (the final norm); see cuda_graph.mods. */
+ * 2 depth (the final norm); see step_tables.mods. */
+static float *table_mod(const step_tables *t, int We, int n, int j, int step) {
+    return t->mods + ((size_t)(n * 3 + j) * t->num_steps + step) * We;
+}
+
 static const float *mod_part(const cuda_graph *g, int We, int n, int j, int step) {
-    return g->mods + ((size_t)(n * 3 + j) * g->shape.num_steps + step) * We;
+    return table_mod(g->tables, We, n, j, step);
 }
 
 static norm_mod step_norm(const cuda_graph *g, int We, int n, int step, const float *linear_bias) {
     return (norm_mod){mod_part(g, We, n, 0, step), mod_part(g, We, n, 1, step), mod_part(g, We, n, 2, step), linear_bias,
-                      g->in_scale + ((size_t)n * g->shape.num_steps + step) * We};
+                      g->tables->in_scale + ((size_t)n * g->shape.num_steps + step) * We};
 }
 
 /* Pi0.5's conditioning of one layer at `step`. */
 static block_mods layer_mods(const pi0_model *m, const cuda_graph *g, int layer, int step) {
     const pi0_stack_dims *d = &m->dims.expert;
     int We = d->width, steps = g->shape.num_steps, qkv_dim = (d->num_heads + 2 * d->num_kv_heads) * d->head_dim;
-    return (block_mods){step_norm(g, We, 2 * layer, step, g->qkv_bias + ((size_t)layer * steps + step) * qkv_dim),
+    return (block_mods){step_norm(g, We, 2 * layer, step, g->tables->qkv_bias + ((size_t)layer * steps + step) * qkv_dim),
                         step_norm(g, We, 2 * layer + 1, step,
-                                  g->gate_up_bias + ((size_t)layer * steps + step) * 2 * d->mlp_dim)};
+                                  g->tables->gate_up_bias + ((size_t)layer * steps + step) * 2 * d->mlp_dim)};
 }
 
 /* The suffix rows of this step: Pi0's [state token, action_time_mlp(action_in_proj(x), time)] with
@@ -221,7 +227,7 @@ static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g
         CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->suffix_bf16, NULL, g->action_tokens, B, H, We, s->stream));
         return PI0_OK;
     }
-    CUDA_TRY(pi0_cuda_linear_small_k(g->time_hidden, 1, g->in.x_t, w->time_fold_w, g->time_bias + (size_t)step * We, BH,
+    CUDA_TRY(pi0_cuda_linear_small_k(g->time_hidden, 1, g->in.x_t, w->time_fold_w, g->tables->time_bias + (size_t)step * We, BH,
                                      A, We, 1, s->stream));
     TRY(gemm(s, (gemm_args){.m = BH, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w, .bias = w->time_out_b,
                             .out = g->action_tokens, .out_f32 = 1, .alpha = 1}, err));
@@ -249,12 +255,12 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
                                       mod_part(g, We, 2 * d->depth, 1, step), NORM_EPS, s->stream));
     else CUDA_TRY(pi0_cuda_rmsnorm(g->final_h, g->suffix, g->in.action_rows, BH, We, w->expert_norm, NORM_EPS, s->stream));
     float dt = -1.0f / (float)g->shape.num_steps;
-    TRY(gemm(s, (gemm_args){.m = BH, .n = A, .k = We, .x = g->final_h, .w = w->action_out_w, .bias = g->out_bias,
+    TRY(gemm(s, (gemm_args){.m = BH, .n = A, .k = We, .x = g->final_h, .w = w->action_out_w, .bias = g->tables->out_bias,
                             .out = g->in.x_t, .out_f32 = 1, .alpha = dt, .beta = 1}, err));
     return PI0_OK;
 }
 
-/* ---- per-shape constants ------------------------------------------------------------------------- */
+/* ---- per-step-count constants ------------------------------------------------------------------------- */
 
 /* Pi0: the time half of action_time_mlp_in for each step, with every bias of the folded layer:
  * c_k = W_t time_emb(t_k) + b_time_in + W_a b_action_in (double, then float). */
@@ -279,17 +285,17 @@ static int pi0_time_biases(const pi0_model *m, int steps, float *out) {
 
 /*
  * Pi0.5's conditioning of every step (docs/model.md#conditioning-per-step): it depends on the flow time
- * only, so one row per step serves every sample, and the whole table is a constant of the shape.
+ * only, so one row per step serves every sample, and the whole table is a constant of the step count.
  * c = swish(time_mlp_out(swish(time_mlp_in(time_emb(t))))); each adaptive norm's scale, shift and gate
  * = dense(c); and for the skinny Linears, bf16(1 + scale) and shift . w^T of the QKV and gate|up weights.
  */
-static pi0_status pi05_step_constants(cuda_state *s, const pi0_model *m, cuda_graph *g, const float *time_emb_host,
+static pi0_status pi05_step_constants(cuda_state *s, const pi0_model *m, step_tables *t, const float *time_emb_host,
                                       pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.expert;
     const gpu_weights *w = &s->w;
-    int We = d->width, steps = g->shape.num_steps, depth = d->depth;
+    int We = d->width, steps = t->num_steps, depth = d->depth;
     int qkv_dim = (d->num_heads + 2 * d->num_kv_heads) * d->head_dim, gate_up = 2 * d->mlp_dim;
-    float *emb = g->time_emb, *hidden = emb + (size_t)steps * We, *cond = hidden + (size_t)steps * We;
+    float *emb = t->time_emb, *hidden = emb + (size_t)steps * We, *cond = hidden + (size_t)steps * We;
     CUDA_TRY(cudaMemcpyAsync(emb, time_emb_host, (size_t)steps * We * sizeof(float), cudaMemcpyHostToDevice, s->stream));
     CUDA_TRY(pi0_cuda_linear_small_k(hidden, 0, emb, w->time_mlp_in_w, w->time_mlp_in_b, steps, We, We, 1, s->stream));
     CUDA_TRY(pi0_cuda_linear_small_k(cond, 0, hidden, w->time_mlp_out_w, w->time_mlp_out_b, steps, We, We, 1, s->stream));
@@ -298,32 +304,29 @@ static pi0_status pi05_step_constants(cuda_state *s, const pi0_model *m, cuda_gr
         const pi0_bf16 *dense_w = !l ? w->expert_norm_dense_w : n % 2 ? l->post_dense_w : l->input_dense_w;
         const float *dense_b = !l ? w->expert_norm_dense_b : n % 2 ? l->post_dense_b : l->input_dense_b;
         for (int j = 0; j < 3; j++) /* scale, shift, gate: rows j We .. (j + 1) We of the dense layer */
-            CUDA_TRY(pi0_cuda_linear_small_k((float *)mod_part(g, We, n, j, 0), 0, cond, dense_w + (size_t)j * We * We,
+            CUDA_TRY(pi0_cuda_linear_small_k(table_mod(t, We, n, j, 0), 0, cond, dense_w + (size_t)j * We * We,
                                              dense_b + (size_t)j * We, steps, We, We, 0, s->stream));
     }
     for (int n = 0; n < 2 * depth; n++)
-        CUDA_TRY(pi0_cuda_one_plus_bf16(g->in_scale + (size_t)n * steps * We, mod_part(g, We, n, 0, 0), (size_t)steps * We,
+        CUDA_TRY(pi0_cuda_one_plus_bf16(t->in_scale + (size_t)n * steps * We, table_mod(t, We, n, 0, 0), (size_t)steps * We,
                                         s->stream));
     for (int l = 0; l < depth; l++) {
-        CUDA_TRY(pi0_cuda_linear_small_k(g->qkv_bias + (size_t)l * steps * qkv_dim, 0, mod_part(g, We, 2 * l, 1, 0),
+        CUDA_TRY(pi0_cuda_linear_small_k(t->qkv_bias + (size_t)l * steps * qkv_dim, 0, table_mod(t, We, 2 * l, 1, 0),
                                          w->expert[l].qkv_w, NULL, steps, We, qkv_dim, 0, s->stream));
-        CUDA_TRY(pi0_cuda_linear_small_k(g->gate_up_bias + (size_t)l * steps * gate_up, 0, mod_part(g, We, 2 * l + 1, 1, 0),
+        CUDA_TRY(pi0_cuda_linear_small_k(t->gate_up_bias + (size_t)l * steps * gate_up, 0, table_mod(t, We, 2 * l + 1, 1, 0),
                                          w->expert[l].gate_up_w, NULL, steps, We, gate_up, 0, s->stream));
     }
     CUDA_TRY(cudaStreamSynchronize(s->stream)); /* time_emb_host is freed once this returns */
     return PI0_OK;
 }
 
-pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
+pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, step_tables *t, pi0_error *err) {
     const pi0_dims *d = &m->dims;
-    int P = image_tokens(d), We = d->expert.width, A = d->action_dim, steps = g->shape.num_steps;
-    size_t segs = (size_t)g->shape.num_images * sizeof(attn_segment), per_step = (size_t)steps * We * sizeof(float);
-    char *host = malloc(segs + per_step + A * sizeof(float) + 1);
-    if (!host) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
-    attn_segment *vit_segs = (attn_segment *)host;
-    float *per_step_host = (float *)(host + segs), *out_bias = per_step_host + (size_t)steps * We, *times = NULL;
-    for (int i = 0; i < g->shape.num_images; i++) vit_segs[i] = (attn_segment){i * P, P, i * P, P, 0};
-    float dt = -1.0f / (float)steps;
+    int We = d->expert.width, A = d->action_dim, steps = t->num_steps;
+    size_t per_step = (size_t)steps * We * sizeof(float);
+    float *per_step_host = malloc(per_step + A * sizeof(float) + 1), *times = NULL;
+    if (!per_step_host) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    float *out_bias = per_step_host + (size_t)steps * We, dt = -1.0f / (float)steps;
     for (int i = 0; i < A; i++) out_bias[i] = dt * m->weights.action_out_b[i];
     pi0_status st = PI0_OK;
     if (d->kind == PI0_MODEL_PI05) { /* per_step_host: the time embedding of each step */
@@ -333,14 +336,16 @@ pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, cuda_graph *g,
     } else if (pi0_time_biases(m, steps, per_step_host)) {
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     }
+    /* on the backend's stream, which does not wait for the default one's copies */
     cudaError_t e = cudaSuccess;
-    if (!st) e = cudaMemcpy(g->vit_segments, vit_segs, segs, cudaMemcpyHostToDevice);
-    if (!st && !e) e = cudaMemcpy(g->out_bias, out_bias, A * sizeof(float), cudaMemcpyHostToDevice);
-    if (!st && !e && d->kind == PI0_MODEL_PI0) e = cudaMemcpy(g->time_bias, per_step_host, per_step, cudaMemcpyHostToDevice);
-    if (!st && e) st = pi0_fail(err, PI0_ERR_BACKEND, "uploading graph constants: %s", cudaGetErrorString(e));
-    if (!st && d->kind == PI0_MODEL_PI05) st = pi05_step_constants(s, m, g, per_step_host, err);
+    if (!st) e = cudaMemcpyAsync(t->out_bias, out_bias, A * sizeof(float), cudaMemcpyHostToDevice, s->stream);
+    if (!st && !e && d->kind == PI0_MODEL_PI0)
+        e = cudaMemcpyAsync(t->time_bias, per_step_host, per_step, cudaMemcpyHostToDevice, s->stream);
+    if (!st && !e && d->kind == PI0_MODEL_PI0) e = cudaStreamSynchronize(s->stream); /* the host tables are freed below */
+    if (!st && e) st = pi0_fail(err, PI0_ERR_BACKEND, "uploading the step tables: %s", cudaGetErrorString(e));
+    if (!st && d->kind == PI0_MODEL_PI05) st = pi05_step_constants(s, m, t, per_step_host, err);
     free(times);
-    free(host);
+    free(per_step_host);
     return st;
 }
 

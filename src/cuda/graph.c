@@ -1,12 +1,17 @@
 /*
- * graph.c - the CUDA backend as the library sees it: one CUDA graph per input shape, the memory each
- * graph works in, and the backend's entry points (init, sample, release).
+ * graph.c - the CUDA backend as the library sees it: one CUDA graph per input shape, the memory the
+ * graphs work in, and the backend's entry points (init, sample, release).
  *
- * A graph owns one device block (inputs, per-shape constants, activations, K/V cache) and one pinned
- * host block mirroring the inputs. A call fills the pinned inputs, replays the graph (whose first node
- * copies them in and whose last copies the actions out) and waits. The first call of a shape runs the
- * forward pass (forward.c) eagerly, which also warms cuBLASLt and the kernels up, then captures it.
- * PI0_CUDA_GRAPHS=0 in the environment runs every call eagerly (read at each call).
+ * Memory. Graphs run one at a time, so they share one workspace (inputs, activations, K/V cache) sized
+ * for the largest shape seen, with a pinned host mirror of the inputs and the actions; a shape that does
+ * not fit grows it, which drops every graph made so far (their pointers are in them). What depends only on
+ * the step count (step_tables) is computed once per count. A server that prepares its largest shape
+ * first (pi0_policy_warmup) allocates once.
+ *
+ * A call fills the pinned inputs, replays the graph (whose first node copies them in and whose last copies
+ * the actions out) and waits. The first call of a shape runs the forward pass (forward.c) eagerly, which
+ * also warms cuBLASLt and the kernels up, then captures it. PI0_CUDA_GRAPHS=0 in the environment runs
+ * every call eagerly (read at each call).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +47,7 @@ static void carve_inputs(carver *c, graph_inputs *in, const graph_shape *sh, int
     in->suffix_pos = carve(c, R * sizeof(int));
     in->suffix_cache_row = carve(c, R * sizeof(int));
     in->action_rows = carve(c, BH * sizeof(int));
+    in->vit_segments = carve(c, (size_t)sh->num_images * sizeof(attn_segment));
     in->prefix_segments = carve(c, B * sizeof(attn_segment));
     in->suffix_segments = carve(c, B * sizeof(attn_segment));
 }
@@ -56,22 +62,53 @@ static void carve_gemma(carver *c, gemma_buffers *b, size_t rows, const pi0_stac
     b->branch = carve(c, rows * d->width * sizeof(float));
 }
 
-/* Per-shape constants (forward.c's cuda_step_constants fills them). */
-static void carve_constants(carver *c, cuda_graph *g, const pi0_dims *d) {
+/* The step tables of a step count (forward.c's cuda_step_constants fills them). */
+static void carve_tables(carver *c, step_tables *t, const pi0_dims *d) {
     const pi0_stack_dims *e = &d->expert;
-    size_t steps = (size_t)g->shape.num_steps, We = (size_t)e->width, f = sizeof(float);
-    g->vit_segments = carve(c, (size_t)g->shape.num_images * sizeof(attn_segment));
-    g->out_bias = carve(c, (size_t)d->action_dim * f);
+    size_t steps = (size_t)t->num_steps, We = (size_t)e->width, f = sizeof(float);
+    t->out_bias = carve(c, (size_t)d->action_dim * f);
     if (d->kind == PI0_MODEL_PI0) {
-        g->time_bias = carve(c, steps * We * f);
+        t->time_bias = carve(c, steps * We * f);
         return;
     }
     size_t qkv_dim = (size_t)(e->num_heads + 2 * e->num_kv_heads) * e->head_dim;
-    g->mods = carve(c, (2 * (size_t)e->depth + 1) * 3 * steps * We * f);
-    g->qkv_bias = carve(c, (size_t)e->depth * steps * qkv_dim * f);
-    g->gate_up_bias = carve(c, (size_t)e->depth * steps * 2 * e->mlp_dim * f);
-    g->time_emb = carve(c, 3 * steps * We * f);
-    g->in_scale = carve(c, 2 * (size_t)e->depth * steps * We * sizeof(pi0_bf16));
+    t->mods = carve(c, (2 * (size_t)e->depth + 1) * 3 * steps * We * f);
+    t->qkv_bias = carve(c, (size_t)e->depth * steps * qkv_dim * f);
+    t->gate_up_bias = carve(c, (size_t)e->depth * steps * 2 * e->mlp_dim * f);
+    t->time_emb = carve(c, 3 * steps * We * f);
+    t->in_scale = carve(c, 2 * (size_t)e->depth * steps * We * sizeof(pi0_bf16));
+}
+
+static void tables_free(cuda_state *s, step_tables *t) {
+    if (!t) return;
+    cudaFree(t->device);
+    free(t);
+    (void)s;
+}
+
+/* The step tables of `steps`, made and filled the first time. */
+static pi0_status tables_for(cuda_state *s, const pi0_model *m, int steps, const step_tables **out, pi0_error *err) {
+    for (int i = 0; i < s->num_tables; i++)
+        if (s->tables[i]->num_steps == steps) return *out = s->tables[i], PI0_OK;
+    step_tables *t = calloc(1, sizeof *t), **grown = realloc(s->tables, (size_t)(s->num_tables + 1) * sizeof *grown);
+    if (grown) s->tables = grown;
+    if (!t || !grown) return free(t), pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    t->num_steps = steps;
+    carver size = {0};
+    carve_tables(&size, t, &m->dims);
+    if (cudaMalloc((void **)&t->device, size.used) != cudaSuccess) {
+        cudaGetLastError();
+        free(t);
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate %.1f MB of GPU memory for %d steps' tables",
+                        (double)size.used / 1e6, steps);
+    }
+    carver at = {(uintptr_t)t->device, 0};
+    carve_tables(&at, t, &m->dims);
+    pi0_status st = cuda_step_constants(s, m, t, err);
+    if (st) return tables_free(s, t), st;
+    s->tables[s->num_tables++] = t;
+    *out = t;
+    return PI0_OK;
 }
 
 static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
@@ -103,17 +140,46 @@ static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     g->final_h = carve(c, BH * We * bf);
 }
 
-static void graph_free(cuda_state *s, cuda_graph *g) {
+static void graph_free(cuda_graph *g) {
     if (!g) return;
     if (g->exec) cudaGraphExecDestroy(g->exec);
     for (int i = 0; i < 4; i++)
         if (g->events[i]) cudaEventDestroy(g->events[i]);
-    if (g->device) {
-        cudaFree(g->device);
-        s->device_bytes -= g->device_size;
-    }
-    if (g->host) cudaFreeHost(g->host);
     free(g);
+}
+
+static void graphs_drop(cuda_state *s) {
+    for (int i = 0; i < s->num_graphs; i++) graph_free(s->graphs[i]);
+    s->num_graphs = 0;
+}
+
+/* Grows the workspace to `device_bytes` (and its pinned mirror to `host_bytes`); every graph made so far
+ * points into the old one, so they go. */
+static pi0_status workspace_reserve(cuda_state *s, const graph_shape *shape, size_t device_bytes, size_t host_bytes,
+                                    pi0_error *err) {
+    if (device_bytes <= s->work_size && host_bytes <= s->work_host_size) return PI0_OK;
+    graphs_drop(s);
+    if (s->work) cudaFree(s->work), s->device_bytes -= s->work_size;
+    if (s->work_host) cudaFreeHost(s->work_host);
+    s->work = s->work_host = NULL;
+    s->work_size = s->work_host_size = 0;
+    if (cudaMalloc((void **)&s->work, device_bytes) != cudaSuccess) {
+        cudaGetLastError();
+        s->work = NULL;
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of GPU memory for a batch of %d (%d prefix tokens): its "
+                        "activations need %.2f GB and %.2f GB are in use; a smaller batch may fit", shape->batch,
+                        shape->total_prefix, (double)device_bytes / 1e9, (double)s->device_bytes / 1e9);
+    }
+    s->work_size = device_bytes;
+    s->device_bytes += device_bytes;
+    if (s->device_bytes > s->peak_device_bytes) s->peak_device_bytes = s->device_bytes;
+    if (cudaMallocHost((void **)&s->work_host, host_bytes) != cudaSuccess) {
+        cudaGetLastError();
+        s->work_host = NULL;
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate %.1f MB of pinned host memory", (double)host_bytes / 1e6);
+    }
+    s->work_host_size = host_bytes;
+    return PI0_OK;
 }
 
 static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape *shape, cuda_graph **out,
@@ -128,38 +194,22 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
     size_t actions_bytes = (size_t)shape->batch * shape->horizon * d->action_dim * sizeof(float);
     g->inputs_size = inputs.used;
     all.used = inputs.used;
-    carve_constants(&all, g, d);
     carve_activations(&all, g, d);
-    g->device_size = all.used;
-    pi0_status st = PI0_OK;
-    if (cudaMalloc((void **)&g->device, g->device_size) != cudaSuccess) {
-        cudaGetLastError();
-        g->device = NULL;
-        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate %.2f GB of GPU memory for a batch of %d (%d prefix tokens)",
-                      (double)g->device_size / 1e9, shape->batch, shape->total_prefix);
-    } else if (cudaMallocHost((void **)&g->host, g->inputs_size + actions_bytes) != cudaSuccess) {
-        cudaGetLastError();
-        g->host = NULL;
-        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate pinned host memory");
-    }
-    if (!st) {
-        s->device_bytes += g->device_size;
-        if (s->device_bytes > s->peak_device_bytes) s->peak_device_bytes = s->device_bytes;
-        /* the same carving again, now at the real addresses */
-        carver dev_in = {(uintptr_t)g->device, 0}, host_in = {(uintptr_t)g->host, 0}, dev_all = {(uintptr_t)g->device, g->inputs_size};
-        carve_inputs(&dev_in, &g->in, shape, g->suffix_len, d);
-        carve_inputs(&host_in, &g->in_host, shape, g->suffix_len, d);
-        carve_constants(&dev_all, g, d);
-        carve_activations(&dev_all, g, d);
-        g->actions_host = (float *)(g->host + g->inputs_size);
-        for (int i = 0; i < 4 && !st; i++)
-            if (cudaEventCreate(&g->events[i]) != cudaSuccess) st = pi0_fail(err, PI0_ERR_BACKEND, "cudaEventCreate failed");
-    }
-    if (!st) st = cuda_step_constants(s, m, g, err);
+    pi0_status st = tables_for(s, m, shape->num_steps, &g->tables, err);
+    if (!st) st = workspace_reserve(s, shape, all.used, g->inputs_size + actions_bytes, err);
+    for (int i = 0; i < 4 && !st; i++)
+        if (cudaEventCreate(&g->events[i]) != cudaSuccess) st = pi0_fail(err, PI0_ERR_BACKEND, "cudaEventCreate failed");
     if (st) {
-        graph_free(s, g);
+        graph_free(g);
         return st;
     }
+    /* the same carving again, now at the workspace's addresses */
+    g->device = s->work, g->host = s->work_host;
+    carver dev_in = {(uintptr_t)g->device, 0}, host_in = {(uintptr_t)g->host, 0}, dev_all = {(uintptr_t)g->device, g->inputs_size};
+    carve_inputs(&dev_in, &g->in, shape, g->suffix_len, d);
+    carve_inputs(&host_in, &g->in_host, shape, g->suffix_len, d);
+    carve_activations(&dev_all, g, d);
+    g->actions_host = (float *)(g->host + g->inputs_size);
     *out = g;
     return PI0_OK;
 }
@@ -170,21 +220,19 @@ static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan 
     const pi0_dims *d = &m->dims;
     const graph_inputs *in = &g->in_host;
     size_t image = (size_t)d->image_size * d->image_size * 3, B = (size_t)p->batch, R = B * p->suffix_len;
-    int P = image_tokens(d);
-    for (int i = 0; i < p->num_images; i++) memcpy(in->images + i * image, p->images[i], image * sizeof(float));
+    for (int i = 0; i < p->num_images; i++) /* a NULL image is a masked camera in uniform mode: zeros */
+        if (p->images[i]) memcpy(in->images + i * image, p->images[i], image * sizeof(float));
+        else memset(in->images + i * image, 0, image * sizeof(float));
     if (p->state) memcpy(in->state, p->state, B * d->action_dim * sizeof(float)); /* Pi0.5 has none */
     memcpy(in->x_t, p->noise, B * p->horizon * d->action_dim * sizeof(float));
-    for (int b = 0; b < p->batch; b++) {
-        int *src = in->prefix_src + p->prefix_start[b];
-        for (int i = p->image_start[b]; i < p->image_start[b + 1]; i++)
-            for (int t = 0; t < P; t++) *src++ = i * P + t;
-        for (int i = p->prompt_start[b]; i < p->prompt_start[b + 1]; i++) *src++ = -p->prompt_ids[i] - 1;
-    }
+    memcpy(in->prefix_src, p->prefix_src, (size_t)p->total_prefix * sizeof(int));
     memcpy(in->prefix_pos, p->prefix_pos, (size_t)p->total_prefix * sizeof(int));
     memcpy(in->prefix_cache_row, p->prefix_cache_row, (size_t)p->total_prefix * sizeof(int));
     memcpy(in->suffix_pos, p->suffix_pos, R * sizeof(int));
     memcpy(in->suffix_cache_row, p->suffix_cache_row, R * sizeof(int));
     memcpy(in->action_rows, p->action_rows, B * p->horizon * sizeof(int));
+    int P = p->tokens_per_image;
+    for (int i = 0; i < p->num_images; i++) in->vit_segments[i] = (attn_segment){i * P, P, i * P, P, 0};
     memcpy(in->prefix_segments, p->prefix_segments, B * sizeof(attn_segment));
     memcpy(in->suffix_segments, p->suffix_segments, B * sizeof(attn_segment));
 }
@@ -209,27 +257,34 @@ static graph_shape shape_of(const pi0_plan *p) {
     return (graph_shape){p->batch, p->horizon, p->num_steps, p->num_images, p->total_prefix, p->max_prefix};
 }
 
-/* The graph for this shape, made (and the least recently used one dropped) when needed. */
+/* The graph for this shape, made (and the least recently used one dropped past max_graphs) when needed. */
 static pi0_status graph_for(cuda_state *s, const pi0_model *m, const graph_shape *shape, cuda_graph **out, pi0_error *err) {
-    int free_slot = -1, oldest = 0;
-    for (int i = 0; i < MAX_GRAPHS; i++) {
+    int oldest = 0;
+    for (int i = 0; i < s->num_graphs; i++) {
         cuda_graph *g = s->graphs[i];
-        if (g && !memcmp(&g->shape, shape, sizeof *shape)) {
+        if (!memcmp(&g->shape, shape, sizeof *shape)) {
             g->last_used = ++s->clock;
             *out = g;
             return PI0_OK;
         }
-        if (!g && free_slot < 0) free_slot = i;
-        if (g && s->graphs[oldest] && g->last_used < s->graphs[oldest]->last_used) oldest = i;
+        if (g->last_used < s->graphs[oldest]->last_used) oldest = i;
     }
-    if (free_slot < 0) {
-        graph_free(s, s->graphs[oldest]);
-        s->graphs[oldest] = NULL;
-        free_slot = oldest;
+    if (s->num_graphs == s->max_graphs) {
+        graph_free(s->graphs[oldest]);
+        s->graphs[oldest] = s->graphs[--s->num_graphs];
     }
-    TRY(graph_new(s, m, shape, &s->graphs[free_slot], err));
-    s->graphs[free_slot]->last_used = ++s->clock;
-    *out = s->graphs[free_slot];
+    if (s->num_graphs == s->cap_graphs) {
+        int cap = s->cap_graphs ? 2 * s->cap_graphs : 16;
+        cuda_graph **grown = realloc(s->graphs, (size_t)cap * sizeof *grown);
+        if (!grown) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+        s->graphs = grown, s->cap_graphs = cap;
+    }
+    cuda_graph *g = NULL;
+    TRY(graph_new(s, m, shape, &g, err));
+    s->captures++;
+    g->last_used = ++s->clock;
+    s->graphs[s->num_graphs++] = g; /* after graph_new: growing the workspace may have dropped the others */
+    *out = g;
     return PI0_OK;
 }
 
@@ -243,7 +298,7 @@ static int graphs_enabled(void) {
 static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, pi0_timings *timings, pi0_error *err) {
     cuda_state *s = m->backend_state;
     graph_shape shape = shape_of(p);
-    cuda_graph *g;
+    cuda_graph *g = NULL;
     int use_graphs = graphs_enabled();
     if (p->max_prefix + p->suffix_len > ROPE_MAX_POS)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "a sample has %d tokens; the cuda backend supports up to %d",
@@ -280,7 +335,12 @@ static void cuda_release(pi0_model *m) {
     cuda_state *s = m->backend_state;
     if (!s) return;
     if (s->stream) cudaStreamSynchronize(s->stream);
-    for (int i = 0; i < MAX_GRAPHS; i++) graph_free(s, s->graphs[i]);
+    graphs_drop(s);
+    free(s->graphs);
+    for (int i = 0; i < s->num_tables; i++) tables_free(s, s->tables[i]);
+    free(s->tables);
+    if (s->work) cudaFree(s->work);
+    if (s->work_host) cudaFreeHost(s->work_host);
     for (int i = 0; i < s->num_allocations; i++) cudaFree(s->allocations[i]);
     free(s->allocations);
     free(s->w.vit), free(s->w.llm), free(s->w.expert);
@@ -296,6 +356,8 @@ static pi0_status cuda_init(pi0_model *m, pi0_error *err) {
     m->backend_state = s;
     const char *skinny_env = getenv("PI0_SKINNY"); /* PI0_SKINNY=0: cuBLASLt for every row count (A/B runs) */
     s->use_skinny = !(skinny_env && !strcmp(skinny_env, "0"));
+    const char *max_env = getenv("PI0_CUDA_MAX_GRAPHS");
+    s->max_graphs = max_env && atoi(max_env) > 0 ? atoi(max_env) : MAX_GRAPHS;
     pi0_status st = PI0_OK;
     if (cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking) != cudaSuccess)
         st = pi0_fail(err, PI0_ERR_BACKEND, "cannot create a CUDA stream: %s", cudaGetErrorString(cudaGetLastError()));
@@ -310,6 +372,11 @@ static uint64_t cuda_device_bytes(const pi0_model *m) {
     return s ? s->peak_device_bytes : 0;
 }
 
+static uint64_t cuda_graph_captures(const pi0_model *m) {
+    const cuda_state *s = m->backend_state;
+    return s ? s->captures : 0;
+}
+
 int pi0_cuda_available(void) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -319,4 +386,5 @@ int pi0_cuda_available(void) {
     return count > 0;
 }
 
-const pi0_backend_ops pi0_cuda_backend = {"cuda", cuda_init, cuda_sample, cuda_release, cuda_device_bytes};
+const pi0_backend_ops pi0_cuda_backend = {"cuda",           cuda_init,           cuda_sample,       cuda_release,
+                                          cuda_device_bytes, cuda_graph_captures, cuda_keeps_on_host};

@@ -7,6 +7,7 @@
  * skinny.cu fuses the norms and gelu x up into its Linears; these kernels serve every other shape.
  */
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "cuda/device.cuh"
 #include "cuda/kernels.h"
@@ -125,6 +126,26 @@ static __global__ void one_plus_bf16_kernel(__nv_bfloat16 *out, const float *sca
         out[i] = __float2bfloat16(1.0f + scale[i]);
 }
 
+/* util/half.h's f32_to_bf16, bit for bit (NaN included), and its widenings. */
+static __device__ __forceinline__ uint16_t bf16_bits_rne(float x) {
+    uint32_t bits = __float_as_uint(x);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static __global__ void weight_rows_kernel(uint16_t *dst, size_t pitch, const void *src, int src_type, size_t rows,
+                                          size_t cols, const float *fold) {
+    size_t n = rows * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / cols, c = i - r * cols;
+        float x = src_type == 0   ? ((const float *)src)[i]
+                  : src_type == 1 ? __uint_as_float((uint32_t)((const uint16_t *)src)[i] << 16)
+                                  : __half2float(((const __half *)src)[i]);
+        if (fold) x = __fmul_rn(x, __fadd_rn(1.0f, fold[c])); /* as the host would: no fused multiply-add */
+        dst[r * pitch * cols + c] = bf16_bits_rne(x);
+    }
+}
+
 static __global__ void add_gated_kernel(float *x, const float *y, const float *gate, size_t n, int dim) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         x[i] += gate[i % dim] * y[i];
@@ -209,14 +230,15 @@ static __global__ void assemble_prefix_kernel(float *x, const int *src, int dim,
     }
 }
 
-/* One block per (row, 256 outputs); the input row (k floats) is staged in shared memory. */
+/* One block per (row, 256 outputs); the input row (k floats) is staged in shared memory. Rows go along x,
+ * whose 2^31 - 1 blocks take any batch x horizon (y stops at 65535). */
 static __global__ void linear_small_k_kernel(void *out, int out_bf16, const float *in, const __nv_bfloat16 *w,
                                              const float *bias, int k, int n, int swish) {
     extern __shared__ float x[];
-    int row = blockIdx.y;
+    int row = blockIdx.x;
     for (int j = threadIdx.x; j < k; j += blockDim.x) x[j] = in[(size_t)row * k + j];
     __syncthreads();
-    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    int col = blockIdx.y * blockDim.x + threadIdx.x;
     if (col >= n) return;
     float acc = bias ? bias[col] : 0.0f;
     const __nv_bfloat16 *wr = w + (size_t)col * k;
@@ -278,6 +300,13 @@ cudaError_t pi0_cuda_one_plus_bf16(pi0_bf16 *out, const float *scale, size_t n, 
     return cudaGetLastError();
 }
 
+cudaError_t pi0_cuda_weight_rows(pi0_bf16 *dst, size_t pitch, const void *src, int src_type, size_t rows, size_t cols,
+                                 const float *fold, cudaStream_t stream) {
+    size_t n = rows * cols;
+    if (n) weight_rows_kernel<<<grid_for(n, 256), 256, 0, stream>>>(dst, pitch, src, src_type, rows, cols, fold);
+    return cudaGetLastError();
+}
+
 cudaError_t pi0_cuda_add_gated(float *x, const float *y, const float *gate, int rows, int dim, cudaStream_t stream) {
     size_t n = (size_t)rows * dim;
     if (n) add_gated_kernel<<<grid_for(n, 256), 256, 0, stream>>>(x, y, gate, n, dim);
@@ -321,8 +350,9 @@ cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim
 
 cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
                                     int rows, int k, int n, int swish, cudaStream_t stream) {
+    if (k > PI0_CUDA_SMALL_K_MAX) return cudaErrorInvalidValue;
     if (rows > 0) {
-        dim3 grid((unsigned)((n + 255) / 256), (unsigned)rows);
+        dim3 grid((unsigned)rows, (unsigned)((n + 255) / 256));
         linear_small_k_kernel<<<grid, 256, (size_t)k * sizeof(float), stream>>>(out, out_bf16, in, as_bf16(w), bias, k,
                                                                               n, swish);
     }

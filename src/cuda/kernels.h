@@ -62,7 +62,10 @@ cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim
                                      const pi0_bf16 *embed, float scale, cudaStream_t stream);
 
 /* out (rows, n) = act(in (rows, k) float32 . w (n, k)^T + bias): a Linear with a tiny input width
- * (the 32 action dims). act = 1: swish. out_bf16 selects the output type. */
+ * (the 32 action dims; Pi0.5's time MLP, once per step count: the expert's width). act = 1: swish.
+ * out_bf16 selects the output type. k up to PI0_CUDA_SMALL_K_MAX (cudaErrorInvalidValue past it): the
+ * input row is staged in the 48 KB of shared memory a kernel has without opting in to more. */
+#define PI0_CUDA_SMALL_K_MAX (48 * 1024 / 4)
 cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
                                     int rows, int k, int n, int swish, cudaStream_t stream);
 
@@ -71,6 +74,13 @@ cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, co
  * unless it is NULL (the input of the skinny Linears, skinny.h). */
 cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
                                      int batch, int horizon, int width, cudaStream_t stream);
+
+/* Load time: `rows` rows of `cols` checkpoint values (src_type 0: float32, 1: bfloat16, 2: float16) to bf16
+ * rows `pitch` rows apart in dst (pitch 2 interleaves two tensors), each value first multiplied by
+ * 1 + fold[col] in float32 when fold is not NULL; rounded as util/half.h's f32_to_bf16, so a bf16
+ * checkpoint's weights arrive bit for bit. */
+cudaError_t pi0_cuda_weight_rows(pi0_bf16 *dst, size_t pitch, const void *src, int src_type, size_t rows, size_t cols,
+                                 const float *fold, cudaStream_t stream);
 
 /* Keeps the GPU busy for about `microseconds`: queued before a timed run, it lets the host enqueue
  * every repetition first, so the events measure GPU time rather than launch overhead. */

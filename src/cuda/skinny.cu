@@ -305,6 +305,10 @@ extern "C" int pi0_cuda_skinny_supported(const skinny_args *a) {
     }
 }
 
+extern "C" int pi0_cuda_skinny_block_supported(int width, int mlp_dim, int head_dim) {
+    return width > 0 && width % 8 == 0 && mlp_dim > 0 && mlp_dim % 8 == 0 && head_dim > 0 && head_dim % 16 == 0;
+}
+
 extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream) {
     if (!pi0_cuda_skinny_supported(a)) return cudaErrorInvalidValue;
     const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,

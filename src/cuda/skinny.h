@@ -60,6 +60,13 @@ typedef struct {
  * GELU_MUL, n matching the heads for ROPE_QKV, the outputs of the epilogue present. (Any m works; past 16 rows w is re-read per 16.) */
 int pi0_cuda_skinny_supported(const skinny_args *a);
 
+/* Whether the four Linears of a Gemma block with these dims (forward.c's gemma_block_skinny: QKV with RoPE,
+ * o_proj, gate|up, down) all take these kernels, given 16-byte aligned buffers and weights (the backend's
+ * are 256): head_dim a multiple of 16 (ROPE_QKV), every k (width, heads x head_dim, mlp_dim) a multiple
+ * of 8. It depends on the dims alone, so it is the same for every layer and step and a stack never mixes
+ * the two paths (the cuBLASLt one does not keep the bf16 copy of x that these read). */
+int pi0_cuda_skinny_block_supported(int width, int mlp_dim, int head_dim);
+
 /* cudaErrorInvalidValue when not supported, else the launch error. */
 cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream);
 

@@ -109,8 +109,10 @@ pi0_status checkpoint_read(const checkpoint *ck, const weight_spec *specs, int c
     pi0_status st = checkpoint_check(ck, specs, count, err);
     if (st) return st;
     uint64_t total = 0, done = 0;
-    for (int i = 0; i < count; i++) total += checkpoint_tensor(ck, &specs[i])->nbytes;
+    for (int i = 0; i < count; i++)
+        if (*specs[i].slot) total += checkpoint_tensor(ck, &specs[i])->nbytes;
     for (int i = 0; i < count; i++) {
+        if (!*specs[i].slot) continue; /* streamed by the backend (weights_alloc) */
         const st_tensor *t = checkpoint_tensor(ck, &specs[i]);
         st_to_f32(t, *specs[i].slot);
         done += t->nbytes;

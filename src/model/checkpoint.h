@@ -13,7 +13,7 @@
 #include "io/safetensors.h"
 #include "model/weights.h"
 
-typedef struct {
+typedef struct checkpoint_s {
     st_file file;
     char prefix[128];
     pi0_dims dims;
@@ -36,7 +36,7 @@ int checkpoint_ignored(const char *name);
 /* Fails with the tensor's name and both shapes on the first missing or mis-shaped tensor. */
 pi0_status checkpoint_check(const checkpoint *ck, const weight_spec *specs, int count, pi0_error *err);
 
-/* Widens every tensor to float32 into its slot; reports progress in bytes read. */
+/* Widens every tensor that has a slot (weights_alloc) to float32 into it; reports progress in bytes read. */
 pi0_status checkpoint_read(const checkpoint *ck, const weight_spec *specs, int count,
                            void (*progress)(void *, const char *, uint64_t, uint64_t), void *user,
                            pi0_error *err);

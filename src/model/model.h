@@ -1,13 +1,16 @@
 /*
  * model.h - what a pi0_model is inside: dims, float32 host weights, and the backend that runs it.
  *
- * A backend is a table of three functions. The CPU backend works straight from the host weights;
- * a GPU backend prepares its own copy in `init` and keeps it in backend_state. Callers of the
- * public API never see which one runs.
+ * A backend is a table of functions. The CPU backend works straight from the host weights; a GPU
+ * backend prepares its own copy in `init` and keeps it in backend_state. A backend with a `keep`
+ * function has only the tensors it accepts widened into the host arena; it streams the others in
+ * `init` from model_tensor_range (the checkpoint's mapping, or the random generator), so that a GPU
+ * model costs the host no float32 copy of its weights. Callers of the public API never see which one runs.
  */
 #ifndef PI0_MODEL_MODEL_H
 #define PI0_MODEL_MODEL_H
 
+#include "io/safetensors.h"
 #include "model/plan.h"
 #include "model/weights.h"
 #include "pi0.h"
@@ -22,7 +25,11 @@ typedef struct pi0_backend_ops {
                          pi0_error *err);
     void (*release)(pi0_model *model);
     uint64_t (*device_bytes)(const pi0_model *model); /* peak accelerator memory held */
+    uint64_t (*graph_captures)(const pi0_model *model); /* batch shapes prepared so far */
+    weight_keep_fn keep; /* NULL: every tensor stays on the host */
 } pi0_backend_ops;
+
+struct checkpoint_s;
 
 struct pi0_model {
     pi0_dims dims;
@@ -33,7 +40,21 @@ struct pi0_model {
     pi0_backend backend;
     const pi0_backend_ops *ops;
     void *backend_state;
+    /* during init only: where the tensors without a host slot come from */
+    const struct checkpoint_s *source; /* the checkpoint being loaded, or NULL: random weights of `seed` */
+    uint64_t seed;
+    void (*progress)(void *user, const char *what, uint64_t done, uint64_t total);
+    void *progress_user;
 };
+
+/* The spec whose slot is `slot` (an address inside model->weights), or NULL. */
+const weight_spec *model_spec_of(const pi0_model *model, float *const *slot);
+
+/* For a backend's init: elements [first, first + count) of a tensor, as they are stored: a pointer into the
+ * checkpoint's mapping with its dtype (no copy), or, for random weights, float32 generated into `scratch`
+ * (room for count floats). */
+const void *model_tensor_range(const pi0_model *model, const weight_spec *spec, uint64_t first, uint64_t count,
+                               float *scratch, st_dtype *dtype);
 
 extern const pi0_backend_ops pi0_cpu_backend;
 #ifdef PI0_WITH_CUDA

@@ -1,6 +1,5 @@
 #include "model/plan.h"
 
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,20 +40,21 @@ static pi0_status check_batch(const pi0_dims *dims, const pi0_batch *b, pi0_erro
 }
 
 static int alloc_all(pi0_plan *p, int B, int num_cameras, int prompt_len) {
+    size_t rows = (size_t)B * ((size_t)num_cameras * p->tokens_per_image + prompt_len) + 1;
     p->images = malloc(sizeof(float *) * ((size_t)B * num_cameras + 1));
     p->image_start = calloc((size_t)B + 1, sizeof(int));
-    p->prompt_ids = malloc(sizeof(int32_t) * ((size_t)B * prompt_len + 1));
-    p->prompt_start = calloc((size_t)B + 1, sizeof(int));
+    p->prefix_src = malloc(rows * sizeof(int));
     p->prefix_start = calloc((size_t)B, sizeof(int));
     p->prefix_len = calloc((size_t)B, sizeof(int));
+    p->prefix_keys = calloc((size_t)B, sizeof(int));
     p->cache_start = calloc((size_t)B, sizeof(int));
     p->prefix_segments = calloc((size_t)B, sizeof(attn_segment));
     p->suffix_segments = calloc((size_t)B, sizeof(attn_segment));
-    return p->images && p->image_start && p->prompt_ids && p->prompt_start && p->prefix_start && p->prefix_len &&
+    return p->images && p->image_start && p->prefix_src && p->prefix_start && p->prefix_len && p->prefix_keys &&
            p->cache_start && p->prefix_segments && p->suffix_segments;
 }
 
-/* Where each valid token lives and what it attends to (see the top of plan.h). */
+/* Where each prefix and suffix row lives and what it attends to (see the top of plan.h). */
 static int layout_tokens(pi0_plan *p) {
     int S = p->suffix_len, state_token = S - p->horizon; /* 1 for Pi0, 0 for Pi0.5 */
     size_t prefix = (size_t)p->total_prefix + 1, suffix = (size_t)p->batch * S;
@@ -65,61 +65,75 @@ static int layout_tokens(pi0_plan *p) {
     p->action_rows = malloc((size_t)p->batch * p->horizon * sizeof(int));
     if (!p->prefix_pos || !p->prefix_cache_row || !p->suffix_pos || !p->suffix_cache_row || !p->action_rows) return -1;
     for (int b = 0; b < p->batch; b++) {
-        int len = p->prefix_len[b];
-        for (int i = 0; i < len; i++) {
-            p->prefix_pos[p->prefix_start[b] + i] = i;
-            p->prefix_cache_row[p->prefix_start[b] + i] = p->cache_start[b] + i;
+        int rows = p->prefix_len[b], keys = p->prefix_keys[b], start = p->prefix_start[b], cache = p->cache_start[b];
+        /* cache: the keys, then the suffix, then rows computed but never attended to (uniform mode) */
+        for (int i = 0; i < rows; i++) {
+            p->prefix_pos[start + i] = i;
+            p->prefix_cache_row[start + i] = cache + (i < keys ? i : S + i);
         }
-        p->prefix_segments[b] = (attn_segment){.q_row = p->prefix_start[b], .num_q = len, .k_row = p->cache_start[b], .num_k = len};
+        p->prefix_segments[b] = (attn_segment){.q_row = start, .num_q = rows, .k_row = cache, .num_k = keys};
         for (int i = 0; i < S; i++) {
-            p->suffix_pos[b * S + i] = len + i;
-            p->suffix_cache_row[b * S + i] = p->cache_start[b] + len + i;
+            p->suffix_pos[b * S + i] = keys + i;
+            p->suffix_cache_row[b * S + i] = cache + keys + i;
         }
         /* Pi0's state token (suffix row 0) sees the prefix and itself; action tokens see everything */
-        p->suffix_segments[b] = (attn_segment){.q_row = b * S, .num_q = S, .k_row = p->cache_start[b], .num_k = len + S,
-                                               .state_keys = state_token ? len + 1 : 0};
+        p->suffix_segments[b] = (attn_segment){.q_row = b * S, .num_q = S, .k_row = cache, .num_k = keys + S,
+                                               .state_keys = state_token ? keys + 1 : 0};
         for (int i = 0; i < p->horizon; i++) p->action_rows[b * p->horizon + i] = b * S + state_token + i;
     }
     return 0;
+}
+
+/* Sample s's prefix rows, keys first: its valid cameras' tokens, its valid prompt tokens; then, in uniform
+ * mode, its masked cameras' tokens and padding tokens, computed but never keys. */
+static void plan_sample(pi0_plan *p, const pi0_dims *dims, const pi0_batch *b, int s, int *row) {
+    int P = p->tokens_per_image, C = b->num_cameras, L = b->prompt_len;
+    size_t image = (size_t)dims->image_size * dims->image_size * 3;
+    p->image_start[s] = p->num_images;
+    p->prefix_start[s] = *row;
+    for (int valid = 1; valid >= 0; valid--) {
+        if (!valid && !b->uniform_shape) break;
+        for (int c = 0; c < C; c++) {
+            if (!b->image_masks[(size_t)s * C + c] != !valid) continue;
+            const float *pixels = b->images[c] ? b->images[c] + (size_t)s * image : NULL; /* NULL: zeros */
+            for (int t = 0; t < P; t++) p->prefix_src[(*row)++] = p->num_images * P + t;
+            p->images[p->num_images++] = pixels;
+        }
+        for (int i = 0; i < L; i++) {
+            size_t at = (size_t)s * L + i;
+            if (!b->prompt_mask[at] == !valid) p->prefix_src[(*row)++] = -(valid ? b->prompt_ids[at] : 0) - 1; /* pad: id 0 */
+        }
+        if (valid) p->prefix_keys[s] = *row - p->prefix_start[s];
+    }
+    p->prefix_len[s] = *row - p->prefix_start[s];
 }
 
 pi0_status plan_build(const pi0_dims *dims, const pi0_batch *b, pi0_plan *p, pi0_error *err) {
     memset(p, 0, sizeof *p);
     pi0_status st = check_batch(dims, b, err);
     if (st) return st;
-    int B = b->batch, tokens_per_image = image_tokens(dims);
+    int B = b->batch;
     p->batch = B;
+    p->tokens_per_image = image_tokens(dims);
     p->horizon = b->horizon ? b->horizon : dims->action_horizon;
     p->suffix_len = p->horizon + (dims->kind == PI0_MODEL_PI0);
     p->num_steps = b->num_steps ? b->num_steps : 10;
     p->state = b->state;
+    if ((int64_t)B * ((int64_t)b->num_cameras * p->tokens_per_image + b->prompt_len + p->suffix_len) > (1 << 30))
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "batch has too many tokens (%d samples of up to %d)", B,
+                        b->num_cameras * p->tokens_per_image + b->prompt_len + p->suffix_len);
     if (!alloc_all(p, B, b->num_cameras, b->prompt_len)) goto oom;
 
-    int64_t prefix_rows = 0, cache_rows = 0;
+    int rows = 0, cache_rows = 0;
     for (int s = 0; s < B; s++) {
-        p->image_start[s] = p->num_images;
-        for (int c = 0; c < b->num_cameras; c++)
-            if (b->image_masks[s * b->num_cameras + c])
-                p->images[p->num_images++] = b->images[c] + (size_t)s * dims->image_size * dims->image_size * 3;
-        int num_prompt = 0;
-        for (int i = 0; i < b->prompt_len; i++) {
-            int64_t at = (int64_t)s * b->prompt_len + i;
-            if (b->prompt_mask[at]) p->prompt_ids[p->prompt_start[s] + num_prompt++] = b->prompt_ids[at];
-        }
-        p->prompt_start[s + 1] = p->prompt_start[s] + num_prompt;
-        int len = (p->num_images - p->image_start[s]) * tokens_per_image + num_prompt;
-        p->prefix_start[s] = (int)prefix_rows;
-        p->prefix_len[s] = len;
-        p->cache_start[s] = (int)cache_rows;
-        prefix_rows += len;
-        cache_rows += len + p->suffix_len;
-        if (len > p->max_prefix) p->max_prefix = len;
+        plan_sample(p, dims, b, s, &rows);
+        p->cache_start[s] = cache_rows;
+        cache_rows += p->prefix_len[s] + p->suffix_len;
+        if (p->prefix_len[s] > p->max_prefix) p->max_prefix = p->prefix_len[s];
     }
     p->image_start[B] = p->num_images;
-    if (cache_rows > (1 << 30))
-        return plan_free(p), pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "batch has too many tokens (%lld)", (long long)cache_rows);
-    p->total_prefix = (int)prefix_rows;
-    p->cache_rows = (int)cache_rows;
+    p->total_prefix = rows;
+    p->cache_rows = cache_rows;
     if (layout_tokens(p)) goto oom;
 
     size_t noise_len = (size_t)B * p->horizon * dims->action_dim;
@@ -137,14 +151,13 @@ oom:
 void plan_free(pi0_plan *p) {
     free(p->images);
     free(p->image_start);
-    free(p->prompt_ids);
-    free(p->prompt_start);
+    free(p->prefix_src);
     free(p->prefix_start);
     free(p->prefix_len);
+    free(p->prefix_keys);
     free(p->cache_start);
     free(p->prefix_pos), free(p->prefix_cache_row), free(p->prefix_segments);
     free(p->suffix_pos), free(p->suffix_cache_row), free(p->suffix_segments), free(p->action_rows);
     free(p->noise_owned);
     memset(p, 0, sizeof *p);
 }
-

@@ -1,15 +1,20 @@
 /*
  * plan.h - which tokens of a batch exist, and where they live.
  *
- * Invalid tokens (masked cameras, prompt padding) affect no valid token (docs/masks.md), so the
- * engine drops them before any work: the valid prefix tokens of all samples are packed one sample
- * after another, sample b owning rows [prefix_start[b], prefix_start[b] + prefix_len[b]). Within a
- * sample the order is the valid cameras' 256 tokens each, in camera order, then the valid prompt
- * tokens; positions are row - prefix_start[b], which is exactly cumsum(valid) - 1.
+ * Invalid tokens (masked cameras, prompt padding) affect no valid token (docs/masks.md), so by default the
+ * engine drops them before any work: the valid prefix tokens of all samples are packed one sample after
+ * another, sample b owning rows [prefix_start[b], prefix_start[b] + prefix_len[b]): its valid cameras'
+ * 256 tokens each, in camera order, then its valid prompt tokens; positions are row - prefix_start[b],
+ * which is exactly cumsum(valid) - 1. prefix_src says what each row is (an image token or a prompt id).
  *
- * The K/V cache of one layer holds, per sample, its prefix rows followed by room for its suffix rows
- * (Pi0: the state token and H action tokens; Pi0.5: the H action tokens), so the denoise attention of
- * a sample reads one contiguous range of keys.
+ * In uniform mode (pi0_batch.uniform_shape) every camera and prompt slot is a row, so that every batch of
+ * the same size, cameras and prompt length has the same shape: after a sample's prefix_keys valid rows
+ * come its masked cameras' tokens and its padding tokens, computed but never keys (nothing attends to
+ * them, and their K/V go past the sample's suffix rows in the cache).
+ *
+ * The K/V cache of one layer holds, per sample, its valid prefix rows followed by its suffix rows (Pi0:
+ * the state token and H action tokens; Pi0.5: the H action tokens), then any rows that are not keys, so
+ * the denoise attention of a sample reads one contiguous range of keys.
  */
 #ifndef PI0_MODEL_PLAN_H
 #define PI0_MODEL_PLAN_H
@@ -31,12 +36,13 @@ typedef struct {
 typedef struct {
     int batch, horizon, num_steps;
     int suffix_len;             /* suffix rows per sample: H + 1 with Pi0's state token, H for Pi0.5 */
-    int num_images;             /* valid camera images over the batch */
-    const float **images;       /* [num_images], sample-major, camera order */
+    int tokens_per_image;
+    int num_images;             /* camera images to encode over the batch */
+    const float **images;       /* [num_images], sample-major, the valid ones first (NULL: a masked camera's zeros) */
     int *image_start;           /* [batch + 1]: sample b owns images [image_start[b], image_start[b+1]) */
-    int32_t *prompt_ids;        /* valid prompt ids, packed */
-    int *prompt_start;          /* [batch + 1], into prompt_ids */
+    int *prefix_src;            /* [total_prefix]: >= 0 image token images * P + t, else prompt id -src - 1 */
     int *prefix_start, *prefix_len; /* [batch] packed prefix rows */
+    int *prefix_keys;           /* [batch] the first prefix_keys[b] rows of sample b are its valid tokens */
     int total_prefix;
     int *cache_start;           /* [batch] first K/V cache row of sample b */
     int cache_rows;             /* sum of prefix_len[b] + suffix_len */

@@ -170,19 +170,22 @@ static uint64_t arena_floats(uint64_t numel) {
     return numel > UINT64_MAX - ARENA_ALIGN ? UINT64_MAX : (numel + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
 }
 
-pi0_status weights_alloc(pi0_weights *w, const weight_spec *specs, int count, pi0_error *err) {
-    const size_t page = 2 << 20;
+pi0_status weights_alloc(pi0_weights *w, const weight_spec *specs, int count, weight_keep_fn keep, pi0_error *err) {
     uint64_t total = 0;
     for (int i = 0; i < count; i++)
-        if (__builtin_add_overflow(total, arena_floats(specs[i].numel), &total)) total = UINT64_MAX;
-    if (total > (SIZE_MAX - page) / sizeof(float) ||
-        !(w->arena = aligned_alloc(page, ((size_t)total * sizeof(float) + page - 1) / page * page)))
+        if ((!keep || keep(w, &specs[i])) && __builtin_add_overflow(total, arena_floats(specs[i].numel), &total))
+            total = UINT64_MAX;
+    const size_t huge = 2 << 20; /* whole 2 MB pages (at least one) */
+    if (total > SIZE_MAX / sizeof(float) - huge ||
+        !(w->arena = aligned_alloc(huge, ((size_t)total * sizeof(float) + huge) / huge * huge)))
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate %.2f GB for float32 weights",
                         (double)total * sizeof(float) / 1e9);
     /* huge pages: faulting in gigabytes of weights 4 KB at a time costs seconds */
     madvise(w->arena, (size_t)total * sizeof(float), MADV_HUGEPAGE);
     uint64_t offset = 0;
     for (int i = 0; i < count; i++) {
+        *specs[i].slot = NULL;
+        if (keep && !keep(w, &specs[i])) continue;
         *specs[i].slot = w->arena + offset;
         offset += arena_floats(specs[i].numel);
     }
@@ -191,8 +194,7 @@ pi0_status weights_alloc(pi0_weights *w, const weight_spec *specs, int count, pi
 
 /* Random weights keep activations O(1) through any depth: linear weights have std 1/sqrt(fan_in),
  * norm scales stay near their identity, biases and position embeddings are small. */
-static void init_tensor(const weight_spec *s, uint64_t seed) {
-    float *x = *s->slot;
+void weights_random_range(const weight_spec *s, uint64_t seed, uint64_t first, uint64_t count, float *out) {
     uint64_t stream = rng_mix64(seed ^ rng_hash_str(s->name));
     float amplitude, offset = 0;
     switch (s->init) {
@@ -206,13 +208,14 @@ static void init_tensor(const weight_spec *s, uint64_t seed) {
     case INIT_UNIT_SCALE: amplitude = 0.1f; offset = 1.0f; break;
     default: amplitude = 0; break;
     }
-    int64_t n = (int64_t)s->numel;
+    int64_t n = (int64_t)count;
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; i++) x[i] = offset + amplitude * rng_uniform_pm1(stream, (uint64_t)i);
+    for (int64_t i = 0; i < n; i++) out[i] = offset + amplitude * rng_uniform_pm1(stream, first + (uint64_t)i);
 }
 
 void weights_init_random(const weight_spec *specs, int count, uint64_t seed) {
-    for (int i = 0; i < count; i++) init_tensor(&specs[i], seed);
+    for (int i = 0; i < count; i++)
+        if (*specs[i].slot) weights_random_range(&specs[i], seed, 0, specs[i].numel, *specs[i].slot);
 }
 
 void weights_free(pi0_weights *w) {

@@ -86,11 +86,17 @@ const char *weight_part_name(weight_part part);
  * Returns the number of entries, or -1 when out of memory. */
 int weights_specs(const pi0_dims *dims, pi0_weights *w, weight_spec **specs);
 
-/* Allocates one arena for every tensor of `specs` and points the slots into it. */
-pi0_status weights_alloc(pi0_weights *w, const weight_spec *specs, int count, pi0_error *err);
+/* Which tensors a backend reads from the host arena; the others it streams once, at init. */
+typedef int (*weight_keep_fn)(const pi0_weights *w, const weight_spec *spec);
 
-/* Fills every tensor from a counter-based generator: same seed, same weights, any thread count. */
+/* Allocates one arena for the tensors of `specs` that `keep` accepts (NULL: all of them) and points their
+ * slots into it; the other slots stay NULL. */
+pi0_status weights_alloc(pi0_weights *w, const weight_spec *specs, int count, weight_keep_fn keep, pi0_error *err);
+
+/* Fills every allocated tensor from a counter-based generator: same seed, same weights, any thread count. */
 void weights_init_random(const weight_spec *specs, int count, uint64_t seed);
+/* Elements [first, first + count) of the random tensor `spec` (as weights_init_random draws it) into out. */
+void weights_random_range(const weight_spec *spec, uint64_t seed, uint64_t first, uint64_t count, float *out);
 
 void weights_free(pi0_weights *w);
 

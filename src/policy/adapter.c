@@ -101,6 +101,27 @@ static pi0_status read_opt_string(const char *path, json_t *root, const char *fi
     return PI0_OK;
 }
 
+/* "optional_cameras": keys of "cameras" that an observation may leave out. */
+static pi0_status read_optional_cameras(const char *path, json_t *root, pi0_adapter *a, pi0_error *err) {
+    json_t *arr = json_object_get(root, "optional_cameras");
+    if (!arr) return PI0_OK;
+    if (!json_is_array(arr))
+        return pi0_fail(err, PI0_ERR_FORMAT, "%s: \"optional_cameras\" is %s, expected an array of camera keys", path,
+                        json_kind(arr));
+    for (size_t i = 0; i < json_array_size(arr); i++) {
+        json_t *v = json_array_get(arr, i);
+        int found = -1;
+        for (int c = 0; json_is_string(v) && c < a->num_cameras; c++)
+            if (a->camera_keys[c] && !strcmp(a->camera_keys[c], json_string_value(v))) found = c;
+        if (found < 0)
+            return pi0_fail(err, PI0_ERR_FORMAT, "%s: \"optional_cameras\"[%zu] is %s%s%s, which is not one of \"cameras\"",
+                            path, i, json_is_string(v) ? "\"" : json_kind(v), json_is_string(v) ? json_string_value(v) : "",
+                            json_is_string(v) ? "\"" : "");
+        a->camera_optional[found] = 1;
+    }
+    return PI0_OK;
+}
+
 /* The file name without directories and a .json extension: the adapter's default name. */
 static char *base_name(const char *path) {
     const char *slash = strrchr(path, '/'), *b = slash ? slash + 1 : path;
@@ -111,7 +132,7 @@ static char *base_name(const char *path) {
 
 static pi0_status parse_generic(const char *path, json_t *root, pi0_adapter *a, pi0_error *err) {
     static const char *known[] = {"name", "cameras", "state", "prompt", "default_prompt", "action_dims",
-                                  "discrete_state", "horizon"};
+                                  "discrete_state", "horizon", "optional_cameras"};
     if (!json_is_object(root))
         return pi0_fail(err, PI0_ERR_FORMAT, "%s: the adapter is %s, expected a JSON object", path, json_kind(root));
     const char *key;
@@ -121,8 +142,8 @@ static pi0_status parse_generic(const char *path, json_t *root, pi0_adapter *a, 
         for (size_t k = 0; k < sizeof known / sizeof *known; k++) ok |= !strcmp(key, known[k]);
         if (!ok)
             return pi0_fail(err, PI0_ERR_FORMAT,
-                            "%s: unknown key \"%s\" (expected name, cameras, state, prompt, default_prompt, action_dims, "
-                            "discrete_state, horizon)",
+                            "%s: unknown key \"%s\" (expected name, cameras, optional_cameras, state, prompt, "
+                            "default_prompt, action_dims, discrete_state, horizon)",
                             path, key);
     }
     pi0_status st;
@@ -132,6 +153,7 @@ static pi0_status parse_generic(const char *path, json_t *root, pi0_adapter *a, 
     if ((st = read_key_list(path, root, "cameras", 1, PI0_ADAPTER_MAX_CAMERAS, a->camera_keys, &a->num_cameras, err)) ||
         (st = read_key_list(path, root, "state", 0, PI0_ADAPTER_MAX_STATE_KEYS, a->state_keys, &a->num_state_keys, err)))
         return st;
+    if ((st = read_optional_cameras(path, root, a, err))) return st;
     /* "prompt" absent: openpi's usual key "prompt"; null: prompts are not read from observations */
     if ((st = read_opt_string(path, root, "prompt", &a->prompt_key, &present, err))) return st;
     if (!present && !(a->prompt_key = strdup("prompt")))

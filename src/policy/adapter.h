@@ -16,6 +16,9 @@
  * Generic: a JSON file, e.g.
  *   {"name": "my_arm",                                     optional; default: the file name without .json
  *    "cameras": ["images/top", "images/wrist", null],     model camera order (1..8); null = absent (mask false)
+ *    "optional_cameras": ["images/wrist"],                 cameras an observation may leave out (optional):
+ *                                                          zeros with the mask false then, as openpi's ALOHA
+ *                                                          policy does for a missing wrist camera
  *    "state": ["joints", "gripper"],                       concatenated in this order (1..16 keys), each a
  *                                                          number or a vector of any numeric dtype
  *    "prompt": "prompt",                                   key of the instruction string; optional: absent
@@ -26,7 +29,7 @@
  *                                                          (optional; default true, as openpi's Pi0.5 configs;
  *                                                          true with a Pi0 checkpoint is refused)
  *    "horizon": 15}                                        optional: the horizon when config.json has none
- * Unknown keys, duplicate keys, empty key strings, all-null cameras and no prompt source at all (null
+ * Unknown keys, duplicate keys, empty key strings, all-null cameras, an optional camera not in "cameras" and no prompt source at all (null
  * "prompt" without "default_prompt") are refused with PI0_ERR_FORMAT naming the file and the key.
  * Nested observation maps are flattened with '/' (msgpack_numpy.h), so "images/top" finds {"images": {"top"}}.
  */
@@ -42,6 +45,7 @@ typedef struct {
     char *name;
     int num_cameras;
     char *camera_keys[PI0_ADAPTER_MAX_CAMERAS]; /* NULL: a camera this robot does not have */
+    int camera_optional[PI0_ADAPTER_MAX_CAMERAS]; /* 1: a missing key is zeros with the mask false */
     int num_state_keys;
     char *state_keys[PI0_ADAPTER_MAX_STATE_KEYS];
     char *prompt_key;     /* NULL: prompts are not read from the observation */

@@ -106,25 +106,64 @@ static uint8_t clip8(int64_t acc) {
 }
 
 /*
- * One pass of ImagingResampleHorizontal_8bpc / ImagingResampleVertical_8bpc (they compute the same sums):
- * along each of `lines` lines, output pixel i gets, per RGB channel, clip8(2^21 + sum_t w[t] * in[first + t]),
- * the 2^21 rounding the fixed-point sum to nearest. Lines are rows for the horizontal pass and columns for
- * the vertical one; *_line is the byte distance between lines, *_step between neighbouring pixels.
- * Pillow accumulates in int; int64 gives the same sums without overflow on huge shrink factors.
+ * ImagingResampleHorizontal_8bpc: along each of `rows` rows, output pixel i gets, per RGB channel,
+ * clip8(2^21 + sum_t w[t] * in[first + t]), the 2^21 rounding the fixed-point sum to nearest. Pillow
+ * accumulates in int, which is exact while the weights' sum stays near 2^22 (few taps: every resize a
+ * policy does); int64 keeps huge shrink factors exact too.
  */
-static void resample_pass(const axis_kernel *k, int out_size, int lines, const uint8_t *src, size_t src_line,
-                          size_t src_step, uint8_t *dst, size_t dst_line, size_t dst_step) {
-    for (int line = 0; line < lines; line++) {
-        const uint8_t *in = src + (size_t)line * src_line;
-        uint8_t *out = dst + (size_t)line * dst_line;
-        for (int i = 0; i < out_size; i++) {
+#define INT32_SAFE_TAPS 4096
+
+static void resample_rows(const axis_kernel *k, int out_w, int rows, const uint8_t *src, size_t src_row, uint8_t *dst,
+                          size_t dst_row) {
+    int narrow = k->max_taps <= INT32_SAFE_TAPS;
+    for (int y = 0; y < rows; y++) {
+        const uint8_t *in = src + (size_t)y * src_row;
+        uint8_t *out = dst + (size_t)y * dst_row;
+        for (int i = 0; i < out_w; i++) {
             const int32_t *w = k->weights + (size_t)i * k->max_taps;
-            const uint8_t *p = in + (size_t)k->first[i] * src_step;
+            const uint8_t *p = in + (size_t)k->first[i] * 3;
+            int n = k->count[i];
+            if (narrow) {
+                int32_t r = 1 << (PRECISION_BITS - 1), g = r, b = r;
+                for (int t = 0; t < n; t++, p += 3) r += p[0] * w[t], g += p[1] * w[t], b += p[2] * w[t];
+                out[(size_t)i * 3] = clip8(r), out[(size_t)i * 3 + 1] = clip8(g), out[(size_t)i * 3 + 2] = clip8(b);
+                continue;
+            }
             int64_t acc[3] = {1 << (PRECISION_BITS - 1), 1 << (PRECISION_BITS - 1), 1 << (PRECISION_BITS - 1)};
-            for (int t = 0; t < k->count[i]; t++, p += src_step)
+            for (int t = 0; t < n; t++, p += 3)
                 for (int c = 0; c < 3; c++) acc[c] += (int64_t)p[c] * w[t];
-            for (int c = 0; c < 3; c++) out[(size_t)i * dst_step + c] = clip8(acc[c]);
+            for (int c = 0; c < 3; c++) out[(size_t)i * 3 + c] = clip8(acc[c]);
         }
+    }
+}
+
+/*
+ * ImagingResampleVertical_8bpc: output row i is, byte by byte, the same fixed-point sum over input rows
+ * first[i] .. first[i] + count[i] - 1. Row by row (each tap a contiguous row, one accumulator per byte of
+ * the row), which gives the same integer sums as Pillow's order and lets the compiler vectorize.
+ */
+static void resample_columns(const axis_kernel *k, int out_h, size_t row_bytes, const uint8_t *src, size_t src_row,
+                             uint8_t *dst, size_t dst_row, int64_t *acc) {
+    int32_t *acc32 = (int32_t *)acc;
+    int narrow = k->max_taps <= INT32_SAFE_TAPS;
+    for (int i = 0; i < out_h; i++) {
+        const int32_t *w = k->weights + (size_t)i * k->max_taps;
+        uint8_t *out = dst + (size_t)i * dst_row;
+        if (narrow) {
+            for (size_t x = 0; x < row_bytes; x++) acc32[x] = 1 << (PRECISION_BITS - 1);
+            for (int t = 0; t < k->count[i]; t++) {
+                const uint8_t *in = src + (size_t)(k->first[i] + t) * src_row;
+                for (size_t x = 0; x < row_bytes; x++) acc32[x] += in[x] * w[t];
+            }
+            for (size_t x = 0; x < row_bytes; x++) out[x] = clip8(acc32[x]);
+            continue;
+        }
+        for (size_t x = 0; x < row_bytes; x++) acc[x] = 1 << (PRECISION_BITS - 1);
+        for (int t = 0; t < k->count[i]; t++) {
+            const uint8_t *in = src + (size_t)(k->first[i] + t) * src_row;
+            for (size_t x = 0; x < row_bytes; x++) acc[x] += (int64_t)in[x] * w[t];
+        }
+        for (size_t x = 0; x < row_bytes; x++) out[x] = clip8(acc[x]);
     }
 }
 
@@ -148,19 +187,22 @@ static pi0_status pillow_resize_bilinear(const uint8_t *src, int height, int wid
     if (horizontal && (st = axis_kernel_init(&kx, width, new_w, err)) != PI0_OK) return st;
     if (vertical && (st = axis_kernel_init(&ky, height, new_h, err)) != PI0_OK) goto done;
 
+    /* the vertical pass reads `rows` rows of row_bytes: the horizontal pass's output, or the source */
+    size_t row_bytes = (size_t)(horizontal ? new_w : width) * 3;
+    tmp = malloc((horizontal && vertical ? (size_t)height * row_bytes : 0) + (vertical ? row_bytes * sizeof(int64_t) : 0) + 1);
+    if (!tmp) {
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a %dx%d resize buffer", height, new_w);
+        goto done;
+    }
+    int64_t *acc = (int64_t *)tmp; /* the vertical pass's accumulators, then the horizontal pass's rows */
+    uint8_t *rows = tmp + (vertical ? row_bytes * sizeof(int64_t) : 0);
     if (horizontal && vertical) {
-        size_t tmp_row = (size_t)new_w * 3;
-        tmp = malloc((size_t)height * tmp_row);
-        if (!tmp) {
-            st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a %dx%d resize buffer", height, new_w);
-            goto done;
-        }
-        resample_pass(&kx, new_w, height, src, src_row, 3, tmp, tmp_row, 3);
-        resample_pass(&ky, new_h, new_w, tmp, 3, tmp_row, dst, 3, dst_row);
+        resample_rows(&kx, new_w, height, src, src_row, rows, row_bytes);
+        resample_columns(&ky, new_h, row_bytes, rows, row_bytes, dst, dst_row, acc);
     } else if (horizontal) {
-        resample_pass(&kx, new_w, height, src, src_row, 3, dst, dst_row, 3);
+        resample_rows(&kx, new_w, height, src, src_row, dst, dst_row);
     } else {
-        resample_pass(&ky, new_h, width, src, 3, src_row, dst, 3, dst_row);
+        resample_columns(&ky, new_h, row_bytes, src, src_row, dst, dst_row, acc);
     }
 done:
     free(tmp);
@@ -273,18 +315,24 @@ pi0_status pi0_image_preprocess(const pi0_image *img, int out_size, float *out, 
 
     size_t in_bytes = (size_t)img->height * (size_t)img->width * 3, out_bytes = (size_t)out_size * out_size * 3;
     int resize = img->height != out_size || img->width != out_size;
-    uint8_t *hwc = malloc(in_bytes), *resized = resize ? malloc(out_bytes) : hwc;
-    if (!hwc || !resized) {
+    int as_is = img->layout == PI0_LAYOUT_HWC && img->type == PI0_PIXEL_U8; /* already openpi's uint8 HWC */
+    uint8_t *owned = as_is ? NULL : malloc(in_bytes), *resized = resize ? malloc(out_bytes) : NULL;
+    const uint8_t *hwc = as_is ? img->data : owned;
+    if ((!as_is && !owned) || (resize && !resized)) {
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a %dx%d image", img->height, img->width);
         goto done;
     }
-    image_to_hwc_u8(img, hwc);
+    if (!as_is) image_to_hwc_u8(img, owned);
     if (resize && (st = pi0_resize_with_pad_u8(hwc, img->height, img->width, out_size, out_size, resized, err)))
         goto done;
-    /* Observation.from_dict: img.astype(np.float32) / 255.0 * 2.0 - 1.0, each step rounded to float32. */
-    for (size_t i = 0; i < out_bytes; i++) out[i] = (float)resized[i] / 255.0f * 2.0f - 1.0f;
+    /* Observation.from_dict: img.astype(np.float32) / 255.0 * 2.0 - 1.0, each step rounded to float32: a
+     * table of the 256 values, computed by that very expression. */
+    float value[256];
+    for (int v = 0; v < 256; v++) value[v] = (float)v / 255.0f * 2.0f - 1.0f;
+    const uint8_t *pixels = resize ? resized : hwc;
+    for (size_t i = 0; i < out_bytes; i++) out[i] = value[pixels[i]];
 done:
-    if (resized != hwc) free(resized);
-    free(hwc);
+    free(resized);
+    free(owned);
     return st;
 }

@@ -28,11 +28,19 @@
 
 #define MAX_ASSET_DEPTH 8   /* how deep under assets/ to look for norm_stats.json */
 
-/* A checked camera frame waiting for its pixel work. */
-typedef struct {
-    const pi0_field *field; /* NULL: an absent camera */
-    pi0_image image;
-} camera_frame;
+/* One observation made model input (pi0_policy_prepare): one allocation holding the model cameras' pixels,
+ * the prompt and the state. */
+struct pi0_prepared {
+    pi0_error error;       /* error.status != PI0_OK: this observation failed; nothing else is set */
+    float *pixels;         /* (cameras, S, S, 3) in [-1, 1]; zeros for a missing optional camera */
+    uint8_t *camera_valid; /* [cameras] */
+    int32_t *prompt_ids;   /* [max_token_len] */
+    uint8_t *prompt_mask;  /* [max_token_len] */
+    int prompt_valid;      /* valid tokens, at the front */
+    float *state;          /* [action_dim] normalized and zero-padded, what the model takes */
+    double *state_f64;     /* [action_dim] the normalized state in float64, as the discrete state bins it */
+    double prepare_ms;
+};
 
 struct pi0_policy {
     pi0_model *model;
@@ -43,15 +51,16 @@ struct pi0_policy {
     pi0_norm_mode mode;
     int discrete_state; /* Pi0.5: the normalized state is written into the prompt */
     int horizon, num_steps;
+    int num_cameras;    /* the model's cameras: the adapter's cameras that exist (absent ones are never computed) */
+    int camera[PI0_ADAPTER_MAX_CAMERAS]; /* model camera k is the adapter's camera camera[k] */
     /* the batch buffers, kept between calls; room for `capacity` observations */
     int capacity;
-    float *images[PI0_ADAPTER_MAX_CAMERAS];
+    float *images[PI0_ADAPTER_MAX_CAMERAS]; /* per model camera, (capacity, S, S, 3) */
     uint8_t *image_masks, *prompt_mask;
     int32_t *prompt_ids;
     float *state, *noise, *actions;
-    double *state_f64; /* one observation's normalized state in float64, as the discrete state bins it */
-    int *source;   /* batch slot -> index of the observation */
-    camera_frame *frames; /* (capacity, cameras) */
+    int *source;        /* batch slot -> index of the observation */
+    pi0_prepared **owned; /* pi0_policy_infer's own prepared observations */
 };
 
 /* ---- opening ------------------------------------------------------------------------------------------- */
@@ -59,10 +68,9 @@ struct pi0_policy {
 static void free_buffers(pi0_policy *p) {
     for (int c = 0; c < PI0_ADAPTER_MAX_CAMERAS; c++) free(p->images[c]), p->images[c] = NULL;
     free(p->image_masks), free(p->prompt_mask), free(p->prompt_ids);
-    free(p->state), free(p->noise), free(p->actions), free(p->source), free(p->frames);
+    free(p->state), free(p->noise), free(p->actions), free(p->source), free(p->owned);
     p->image_masks = p->prompt_mask = NULL, p->prompt_ids = NULL;
-    p->state = p->noise = p->actions = NULL, p->source = NULL, p->frames = NULL;
-    free(p->state_f64), p->state_f64 = NULL;
+    p->state = p->noise = p->actions = NULL, p->source = NULL, p->owned = NULL;
     p->capacity = 0;
 }
 
@@ -156,6 +164,8 @@ pi0_status pi0_policy_create(pi0_model *model, pi0_adapter *adapter, pi0_tokeniz
                       name);
         goto fail;
     }
+    for (int c = 0; c < adapter->num_cameras; c++)
+        if (adapter->camera_keys[c]) p->camera[p->num_cameras++] = c;
     if (adapter->action_dims < 1 || adapter->action_dims > d->action_dim) {
         st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "adapter %s returns %d action dims, but the model has %d", name,
                       adapter->action_dims, d->action_dim);
@@ -424,9 +434,10 @@ static pi0_status check_state_range(const pi0_field *const *fields, int count, c
     return PI0_OK;
 }
 
-/* The adapter's state keys concatenated and normalized (openpi's Normalize, in float64) into p->state_f64
- * (*n values); then rounded to float32 and zero-padded to A for the model. */
-static pi0_status prepare_state(pi0_policy *p, const pi0_observation *obs, float *out, int *n, pi0_error *err) {
+/* The adapter's state keys concatenated and normalized (openpi's Normalize, in float64) into out->state_f64 (*n
+ * values), then rounded to float32 and zero-padded to A for the model. */
+static pi0_status prepare_state(const pi0_policy *p, const pi0_observation *obs, pi0_prepared *out, int *n,
+                                pi0_error *err) {
     const pi0_adapter *a = p->adapter;
     int A = pi0_model_dims(p->model)->action_dim;
     const pi0_field *fields[PI0_ADAPTER_MAX_STATE_KEYS];
@@ -447,7 +458,7 @@ static pi0_status prepare_state(pi0_policy *p, const pi0_observation *obs, float
     if (total > e->dim)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the state (\"%s\"%s) has %lld values but norm stats \"state\" "
                         "have %d", a->state_keys[0], a->num_state_keys > 1 ? " ..." : "", (long long)total, e->dim);
-    double *values = p->state_f64; /* normalized in place */
+    double *values = out->state_f64; /* normalized in place */
     int i = 0;
     for (int k = 0; k < a->num_state_keys; k++) {
         const pi0_field *f = fields[k];
@@ -460,17 +471,17 @@ static pi0_status prepare_state(pi0_policy *p, const pi0_observation *obs, float
     }
     pi0_status st = pi0_normalize(e, p->mode, values, values, i, err);
     if (st) return st;
-    for (int j = 0; j < i; j++) out[j] = (float)p->state_f64[j];
-    if ((st = check_state_range(fields, a->num_state_keys, p->state_f64, out, i, err))) return st;
-    for (int j = i; j < A; j++) out[j] = 0.0f; /* PadStatesAndActions */
+    for (int j = 0; j < i; j++) out->state[j] = (float)values[j];
+    if ((st = check_state_range(fields, a->num_state_keys, values, out->state, i, err))) return st;
+    for (int j = i; j < A; j++) out->state[j] = 0.0f; /* PadStatesAndActions */
     *n = i;
     return PI0_OK;
 }
 
 /* The prompt (or the adapter's default), tokenized (Pi0.5 with the discrete state: the robot's own n
  * normalized state values written into it) and checked against the model's vocabulary. */
-static pi0_status prepare_prompt(const pi0_policy *p, const pi0_observation *obs, int n_state, int32_t *ids,
-                                 uint8_t *mask, pi0_error *err) {
+static pi0_status prepare_prompt(const pi0_policy *p, const pi0_observation *obs, int n_state, pi0_prepared *out,
+                                 pi0_error *err) {
     const pi0_adapter *a = p->adapter;
     const char *prompt = NULL;
     const pi0_field *f = a->prompt_key ? pi0_observation_find(obs, a->prompt_key) : NULL;
@@ -481,12 +492,14 @@ static pi0_status prepare_prompt(const pi0_policy *p, const pi0_observation *obs
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "missing key \"%s\" (the instruction; adapter %s has no default "
                         "prompt)", a->prompt_key ? a->prompt_key : "prompt", a->name ? a->name : "(unnamed)");
     const pi0_dims *d = pi0_model_dims(p->model);
-    int valid = 0;
-    pi0_status st = p->discrete_state ? pi0_tokenize_prompt_with_state(p->tokenizer, prompt, p->state_f64, n_state,
-                                                                       d->max_token_len, ids, mask, &valid, err)
-                                      : pi0_tokenize_prompt(p->tokenizer, prompt, d->max_token_len, ids, mask, &valid, err);
+    int32_t *ids = out->prompt_ids;
+    pi0_status st = p->discrete_state
+                        ? pi0_tokenize_prompt_with_state(p->tokenizer, prompt, out->state_f64, n_state, d->max_token_len,
+                                                         ids, out->prompt_mask, &out->prompt_valid, err)
+                        : pi0_tokenize_prompt(p->tokenizer, prompt, d->max_token_len, ids, out->prompt_mask,
+                                              &out->prompt_valid, err);
     if (st) return st;
-    for (int i = 0; i < valid; i++)
+    for (int i = 0; i < out->prompt_valid; i++)
         if (ids[i] < 0 || ids[i] >= d->vocab_size)
             return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT,
                             "prompt token %d has id %d (\"%s\"), outside the model's vocabulary of %d: the tokenizer "
@@ -497,45 +510,62 @@ static pi0_status prepare_prompt(const pi0_policy *p, const pi0_observation *obs
     return PI0_OK;
 }
 
-/* Checks one observation and fills batch slot `slot` with all of it but the pixels: the cameras' fields and
- * descriptions go to p->frames, for render_images. */
-static pi0_status prepare(pi0_policy *p, const pi0_observation *obs, int slot, pi0_error *err) {
-    const pi0_dims *d = pi0_model_dims(p->model);
-    const pi0_adapter *a = p->adapter;
-    size_t C = (size_t)a->num_cameras, L = (size_t)d->max_token_len;
-    for (size_t c = 0; c < C; c++) {
-        camera_frame *fr = &p->frames[slot * C + c];
-        fr->field = NULL;
-        p->image_masks[slot * C + c] = 0;
-        if (!a->camera_keys[c]) continue; /* absent: mask false, which the engine skips */
-        const pi0_field *f = find_array(obs, a->camera_keys[c], "a camera image", err);
-        if (!f) return err ? err->status : PI0_ERR_INVALID_ARGUMENT;
-        pi0_status st = check_image(f, &fr->image, err);
-        if (st) return st;
-        fr->field = f;
-        p->image_masks[slot * C + c] = 1;
+/* Model camera k's frame into out->pixels: checked, then resized and scaled as openpi does; a missing optional
+ * camera is zeros with its mask false. */
+static pi0_status prepare_camera(const pi0_policy *p, const pi0_observation *obs, int k, pi0_prepared *out,
+                                 pi0_error *err) {
+    int S = pi0_model_dims(p->model)->image_size, c = p->camera[k];
+    const char *key = p->adapter->camera_keys[c];
+    float *pixels = out->pixels + (size_t)k * S * S * 3;
+    out->camera_valid[k] = 1;
+    if (p->adapter->camera_optional[c] && !pi0_observation_find(obs, key)) {
+        memset(pixels, 0, (size_t)S * S * 3 * sizeof(float));
+        out->camera_valid[k] = 0;
+        return PI0_OK;
     }
+    const pi0_field *f = find_array(obs, key, "a camera image", err);
+    pi0_image image;
+    if (!f) return err ? err->status : PI0_ERR_INVALID_ARGUMENT;
+    pi0_status st = check_image(f, &image, err);
+    return st ? st : render_image(f, &image, S, pixels, err);
+}
+
+pi0_status pi0_policy_prepare(const pi0_policy *p, const pi0_observation *obs, pi0_prepared **out, pi0_error *err) {
+    double t0 = pi0_now_ms();
+    if (!p || !obs || !out) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy prepare: NULL policy, observation or output");
+    const pi0_dims *d = pi0_model_dims(p->model);
+    size_t C = (size_t)p->num_cameras, S = (size_t)d->image_size, L = (size_t)d->max_token_len, A = (size_t)d->action_dim;
+    /* one block: the struct, then float pixels and state, double state, int32 ids, then the byte arrays */
+    size_t floats = C * S * S * 3 + A, bytes = sizeof(pi0_prepared) + floats * sizeof(float) + A * sizeof(double) +
+                                                 L * sizeof(int32_t) + L + C + 64;
+    char *block = calloc(1, bytes);
+    *out = (pi0_prepared *)block;
+    if (!block) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing an observation");
+    pi0_prepared *pr = *out;
+    char *at = block + (sizeof(pi0_prepared) + 15) / 16 * 16;
+    pr->state_f64 = (double *)at, at += A * sizeof(double);
+    pr->pixels = (float *)at, at += C * S * S * 3 * sizeof(float);
+    pr->state = (float *)at, at += A * sizeof(float);
+    pr->prompt_ids = (int32_t *)at, at += L * sizeof(int32_t);
+    pr->prompt_mask = (uint8_t *)at, at += L;
+    pr->camera_valid = (uint8_t *)at;
     int n_state = 0;
-    pi0_status st = prepare_state(p, obs, p->state + slot * (size_t)d->action_dim, &n_state, err);
-    if (!st) st = prepare_prompt(p, obs, n_state, p->prompt_ids + slot * L, p->prompt_mask + slot * L, err);
+    pi0_status st = PI0_OK;
+    /* the cameras' resizes are the work: side by side, each with its own error (the first one's is kept) */
+    pi0_error camera_err[PI0_ADAPTER_MAX_CAMERAS] = {{0}};
+#pragma omp parallel for num_threads(C) if (C > 1)
+    for (int k = 0; k < (int)C; k++) prepare_camera(p, obs, k, pr, &camera_err[k]);
+    for (int k = 0; k < (int)C && !st; k++)
+        if ((st = camera_err[k].status)) pr->error = camera_err[k];
+    if (!st) st = prepare_state(p, obs, pr, &n_state, &pr->error);
+    if (!st) st = prepare_prompt(p, obs, n_state, pr, &pr->error);
+    pr->prepare_ms = pi0_now_ms() - t0;
+    if (st && err) *err = pr->error;
     return st;
 }
 
-/* The pixel work of the first `valid` slots, every camera of every observation in parallel. A frame that
- * fails (only for lack of memory) fails its observation: its result gets the error. */
-static void render_images(pi0_policy *p, int valid, pi0_policy_result *results) {
-    int S = pi0_model_dims(p->model)->image_size, C = p->adapter->num_cameras, jobs = valid * C;
-#pragma omp parallel for schedule(dynamic, 1) if (jobs > 1)
-    for (int j = 0; j < jobs; j++) {
-        const camera_frame *fr = &p->frames[j];
-        if (!fr->field) continue;
-        pi0_error e = {0};
-        int slot = j / C, c = j % C;
-        if (render_image(fr->field, &fr->image, S, p->images[c] + (size_t)slot * S * S * 3, &e)) {
-#pragma omp critical
-            results[p->source[slot]].error = e;
-        }
-    }
+void pi0_prepared_free(pi0_prepared *prepared) {
+    free(prepared);
 }
 
 /* ---- the batch ----------------------------------------------------------------------------------------- */
@@ -547,18 +577,17 @@ static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
     size_t n = (size_t)count, S = (size_t)d->image_size, L = (size_t)d->max_token_len;
     size_t per_chunk = (size_t)p->horizon * d->action_dim;
     int ok = 1;
-    for (int c = 0; c < p->adapter->num_cameras; c++) ok &= (p->images[c] = calloc(n * S * S * 3, sizeof(float))) != NULL;
-    p->image_masks = calloc(n * p->adapter->num_cameras + 1, 1);
+    for (int k = 0; k < p->num_cameras; k++) ok &= (p->images[k] = calloc(n * S * S * 3, sizeof(float))) != NULL;
+    p->image_masks = calloc(n * p->num_cameras + 1, 1);
     p->prompt_ids = calloc(n * L + 1, sizeof(int32_t));
     p->prompt_mask = calloc(n * L + 1, 1);
     p->state = calloc(n * d->action_dim, sizeof(float));
     p->noise = malloc(n * per_chunk * sizeof(float));
     p->actions = malloc(n * per_chunk * sizeof(float));
     p->source = malloc(n * sizeof(int));
-    p->state_f64 = malloc((size_t)d->action_dim * sizeof(double));
-    p->frames = calloc(n * p->adapter->num_cameras + 1, sizeof(camera_frame));
+    p->owned = calloc(n, sizeof *p->owned);
     if (!ok || !p->image_masks || !p->prompt_ids || !p->prompt_mask || !p->state || !p->noise || !p->actions ||
-        !p->source || !p->frames || !p->state_f64) {
+        !p->source || !p->owned) {
         free_buffers(p);
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a batch of %d observations", count);
     }
@@ -579,82 +608,207 @@ static pi0_status check_actions(const float *raw, int A, const double *actions, 
     return PI0_OK;
 }
 
+/*
+ * The shapes a batch runs as. On a backend with graphs (CUDA), every batch is made one of a few shapes, so
+ * that a server captures each once, at warm-up, and never on a request's path (docs/protocol.md#batching):
+ * the prompt rows are the longest valid prompt rounded up to PROMPT_BUCKET tokens, the batch size is exact
+ * up to BATCH_EXACT and rounded up to a multiple of BATCH_EXACT beyond (the extra samples are copies of
+ * the first, their actions dropped), and masked cameras and padding are computed, never used as keys
+ * (pi0_batch.uniform_shape): the actions are the same. The CPU backend runs exact shapes, skipping what is
+ * masked.
+ */
+#define PROMPT_BUCKET 32
+#define BATCH_EXACT 8
+
+static int uses_graphs(const pi0_policy *p) {
+    return pi0_model_backend(p->model) == PI0_BACKEND_CUDA;
+}
+
+static int prompt_rows(const pi0_policy *p, int longest) {
+    int max_len = pi0_model_dims(p->model)->max_token_len;
+    if (!uses_graphs(p)) return max_len;
+    int rows = (longest + PROMPT_BUCKET - 1) / PROMPT_BUCKET * PROMPT_BUCKET;
+    return rows < 1 ? 1 : rows > max_len ? max_len : rows;
+}
+
+static int batch_rows(const pi0_policy *p, int valid) {
+    if (!uses_graphs(p) || valid <= BATCH_EXACT) return valid;
+    int rows = (valid + BATCH_EXACT - 1) / BATCH_EXACT * BATCH_EXACT;
+    return rows > PI0_MAX_BATCH ? PI0_MAX_BATCH : rows;
+}
+
+/* Slot `slot` of the batch buffers from one prepared observation; prompts at stride max_token_len for now. */
+static void fill_slot(pi0_policy *p, const pi0_prepared *pr, int slot) {
+    const pi0_dims *d = pi0_model_dims(p->model);
+    size_t image = (size_t)d->image_size * d->image_size * 3, L = (size_t)d->max_token_len, C = (size_t)p->num_cameras;
+    for (size_t k = 0; k < C; k++) {
+        memcpy(p->images[k] + slot * image, pr->pixels + k * image, image * sizeof(float));
+        p->image_masks[slot * C + k] = pr->camera_valid[k];
+    }
+    memcpy(p->prompt_ids + slot * L, pr->prompt_ids, L * sizeof(int32_t));
+    memcpy(p->prompt_mask + slot * L, pr->prompt_mask, L);
+    memcpy(p->state + slot * (size_t)d->action_dim, pr->state, (size_t)d->action_dim * sizeof(float));
+}
+
+/* Fills slots valid..rows with copies of slot 0 (a batch padded to its bucket). */
+static void pad_slots(pi0_policy *p, int valid, int rows) {
+    const pi0_dims *d = pi0_model_dims(p->model);
+    size_t image = (size_t)d->image_size * d->image_size * 3, L = (size_t)d->max_token_len, C = (size_t)p->num_cameras;
+    size_t chunk = (size_t)p->horizon * d->action_dim;
+    for (int slot = valid; slot < rows; slot++) {
+        for (size_t k = 0; k < C; k++) memcpy(p->images[k] + slot * image, p->images[k], image * sizeof(float));
+        memcpy(p->image_masks + slot * C, p->image_masks, C);
+        memcpy(p->prompt_ids + slot * L, p->prompt_ids, L * sizeof(int32_t));
+        memcpy(p->prompt_mask + slot * L, p->prompt_mask, L);
+        memcpy(p->state + slot * (size_t)d->action_dim, p->state, (size_t)d->action_dim * sizeof(float));
+        memcpy(p->noise + slot * chunk, p->noise, chunk * sizeof(float));
+    }
+}
+
+/* Runs the first `valid` slots, padded to batch_rows, with `prompt_len` prompt rows (the prompts are packed
+ * to that stride first) into p->actions; returns the model's time in *model_ms. */
+static pi0_status run_batch(pi0_policy *p, int valid, int prompt_len, double *model_ms, pi0_error *err) {
+    const pi0_dims *d = pi0_model_dims(p->model);
+    size_t L = (size_t)d->max_token_len;
+    int rows = batch_rows(p, valid);
+    pad_slots(p, valid, rows);
+    for (int v = 1; v < rows; v++) { /* stride L to stride prompt_len, in place (prompt_len <= L) */
+        memmove(p->prompt_ids + (size_t)v * prompt_len, p->prompt_ids + v * L, (size_t)prompt_len * sizeof(int32_t));
+        memmove(p->prompt_mask + (size_t)v * prompt_len, p->prompt_mask + v * L, (size_t)prompt_len);
+    }
+    const float *images[PI0_ADAPTER_MAX_CAMERAS];
+    for (int k = 0; k < p->num_cameras; k++) images[k] = p->images[k];
+    pi0_batch batch = {.batch = rows, .num_cameras = p->num_cameras, .images = images, .image_masks = p->image_masks,
+                       .prompt_len = prompt_len, .prompt_ids = p->prompt_ids, .prompt_mask = p->prompt_mask,
+                       .state = p->state, .horizon = p->horizon, .noise = p->noise, .num_steps = p->num_steps,
+                       .uniform_shape = uses_graphs(p)};
+    double t0 = pi0_now_ms();
+    pi0_status st = pi0_sample_actions(p->model, &batch, p->actions, NULL, err);
+    *model_ms = pi0_now_ms() - t0;
+    return st;
+}
+
+/* Observation v's actions, unnormalized into a new result array. */
+static void finish_result(const pi0_policy *p, int v, pi0_policy_result *r) {
+    int H = p->horizon, A = pi0_model_dims(p->model)->action_dim, R = p->adapter->action_dims;
+    if (!(r->actions = malloc((size_t)H * R * sizeof(double)))) {
+        pi0_fail(&r->error, PI0_ERR_OUT_OF_MEMORY, "out of memory for the actions");
+        return;
+    }
+    for (int t = 0; t < H; t++)
+        if (pi0_unnormalize(p->action_stats, p->mode, p->actions + ((size_t)v * H + t) * A, r->actions + (size_t)t * R, R,
+                            &r->error)) {
+            free(r->actions), r->actions = NULL;
+            return;
+        }
+    if (check_actions(p->actions + (size_t)v * H * A, A, r->actions, H, R, &r->error))
+        free(r->actions), r->actions = NULL;
+}
+
 void pi0_policy_result_free(pi0_policy_result *r) {
     if (!r) return;
     free(r->actions);
     r->actions = NULL;
 }
 
-pi0_status pi0_policy_infer(pi0_policy *p, const pi0_observation *const *obs, const uint64_t *noise_seeds,
-                            int count, pi0_policy_result *results, double *infer_ms, pi0_error *err) {
-    double t0 = pi0_now_ms();
-    if (infer_ms) *infer_ms = 0;
-    if (!p || count < 0 || count > PI0_MAX_BATCH || (count > 0 && (!obs || !results))) {
-        pi0_error bad = {0};
-        pi0_fail(&bad, PI0_ERR_INVALID_ARGUMENT, "policy infer: NULL policy, observations or results, or count %d "
-                 "outside 0..%d", count, PI0_MAX_BATCH);
-        for (int i = 0; results && i < count && count <= PI0_MAX_BATCH; i++)
-            results[i] = (pi0_policy_result){.error = bad};
-        if (err) *err = bad;
-        return bad.status;
-    }
+/* The arguments every batch call checks; a bad call fails every result it can write. */
+static pi0_status check_call(const pi0_policy *p, const void *items, int count, pi0_policy_result *results,
+                             pi0_error *err) {
+    if (p && count >= 0 && count <= PI0_MAX_BATCH && (count == 0 || (items && results))) return PI0_OK;
+    pi0_error bad = {0};
+    pi0_fail(&bad, PI0_ERR_INVALID_ARGUMENT, "policy infer: NULL policy, observations or results, or count %d "
+             "outside 0..%d", count, PI0_MAX_BATCH);
+    for (int i = 0; results && i < count && count <= PI0_MAX_BATCH; i++) results[i] = (pi0_policy_result){.error = bad};
+    if (err) *err = bad;
+    return bad.status;
+}
+
+pi0_status pi0_policy_infer_prepared(pi0_policy *p, const pi0_prepared *const *items, const uint64_t *noise_seeds,
+                                     int count, pi0_policy_result *results, pi0_error *err) {
+    pi0_status st = check_call(p, items, count, results, err);
+    if (st) return st;
     const pi0_dims *d = pi0_model_dims(p->model);
-    int H = p->horizon, A = d->action_dim, R = p->adapter->action_dims;
-    size_t chunk = (size_t)H * A;
+    size_t chunk = (size_t)p->horizon * d->action_dim;
     for (int i = 0; i < count; i++)
-        results[i] = (pi0_policy_result){.error = {.status = PI0_OK}, .horizon = H, .action_dims = R};
+        results[i] = (pi0_policy_result){.error = {.status = PI0_OK}, .horizon = p->horizon,
+                                         .action_dims = p->adapter->action_dims};
     pi0_error batch_err = {0};
-    pi0_status st = ensure_capacity(p, count, &batch_err);
-    if (st) {
+    if ((st = ensure_capacity(p, batch_rows(p, count), &batch_err))) {
         for (int i = 0; i < count; i++) results[i].error = batch_err;
         if (err) *err = batch_err;
         return st;
     }
-
-    int valid = 0;
+    int valid = 0, longest = 0;
     for (int i = 0; i < count; i++) {
-        pi0_error *e = &results[i].error;
-        if (!obs[i]) {
-            pi0_fail(e, PI0_ERR_INVALID_ARGUMENT, "observation %d is NULL", i);
-            continue;
-        }
-        if (prepare(p, obs[i], valid, e)) continue;
+        if (!items[i]) pi0_fail(&results[i].error, PI0_ERR_INVALID_ARGUMENT, "observation %d is NULL", i);
+        else if (items[i]->error.status) results[i].error = items[i]->error;
+        if (results[i].error.status) continue;
+        results[i].prepare_ms = items[i]->prepare_ms;
+        fill_slot(p, items[i], valid);
+        if (items[i]->prompt_valid > longest) longest = items[i]->prompt_valid;
         flow_noise(noise_seeds ? noise_seeds[i] : 0, p->noise + valid * chunk, chunk); /* as a batch of one draws it */
         p->source[valid++] = i;
     }
+    if (!valid) return PI0_OK;
+    double model_ms = 0;
+    if ((st = run_batch(p, valid, prompt_rows(p, longest), &model_ms, &batch_err))) {
+        for (int v = 0; v < valid; v++) results[p->source[v]].error = batch_err;
+        if (err) *err = batch_err;
+        return st;
+    }
+    for (int v = 0; v < valid; v++) {
+        results[p->source[v]].model_ms = model_ms;
+        finish_result(p, v, &results[p->source[v]]);
+    }
+    return PI0_OK;
+}
 
-    if (valid > 0) {
-        render_images(p, valid, results);
-        const float *images[PI0_ADAPTER_MAX_CAMERAS];
-        for (int c = 0; c < p->adapter->num_cameras; c++) images[c] = p->images[c];
-        pi0_batch batch = {.batch = valid, .num_cameras = p->adapter->num_cameras, .images = images,
-                           .image_masks = p->image_masks, .prompt_len = d->max_token_len, .prompt_ids = p->prompt_ids,
-                           .prompt_mask = p->prompt_mask, .state = p->state, .horizon = H, .noise = p->noise,
-                           .num_steps = p->num_steps};
-        st = pi0_sample_actions(p->model, &batch, p->actions, NULL, &batch_err);
-        if (st) {
-            for (int v = 0; v < valid; v++)
-                if (!results[p->source[v]].error.status) results[p->source[v]].error = batch_err;
-            if (err) *err = batch_err;
-            return st;
-        }
-        for (int v = 0; v < valid; v++) {
-            pi0_policy_result *r = &results[p->source[v]];
-            if (r->error.status) continue; /* its pixels failed: it ran on stale ones, drop the answer */
-            if (!(r->actions = malloc((size_t)H * R * sizeof(double)))) {
-                pi0_fail(&r->error, PI0_ERR_OUT_OF_MEMORY, "out of memory for the actions");
-                continue;
-            }
-            for (int t = 0; t < H; t++)
-                if (pi0_unnormalize(p->action_stats, p->mode, p->actions + v * chunk + (size_t)t * A,
-                                    r->actions + (size_t)t * R, R, &r->error)) {
-                    free(r->actions), r->actions = NULL;
-                    break;
-                }
-            if (r->actions && check_actions(p->actions + v * chunk, A, r->actions, H, R, &r->error))
-                free(r->actions), r->actions = NULL;
+pi0_status pi0_policy_infer(pi0_policy *p, const pi0_observation *const *obs, const uint64_t *noise_seeds,
+                            int count, pi0_policy_result *results, double *infer_ms, pi0_error *err) {
+    double t0 = pi0_now_ms();
+    if (infer_ms) *infer_ms = 0;
+    pi0_status st = check_call(p, obs, count, results, err);
+    if (!st) st = ensure_capacity(p, batch_rows(p, count), err);
+    if (st) return st;
+    /* every observation's preparation is independent: in parallel (each camera's resize is the work) */
+#pragma omp parallel for schedule(dynamic, 1) if (count > 1)
+    for (int i = 0; i < count; i++) {
+        pi0_error e = {0};
+        p->owned[i] = NULL;
+        if (obs[i]) pi0_policy_prepare(p, obs[i], &p->owned[i], &e);
+    }
+    st = pi0_policy_infer_prepared(p, (const pi0_prepared *const *)p->owned, noise_seeds, count, results, err);
+    for (int i = 0; i < count; i++) pi0_prepared_free(p->owned[i]), p->owned[i] = NULL;
+    if (infer_ms) *infer_ms = pi0_now_ms() - t0;
+    return st;
+}
+
+/* Dummy batches of every shape a call of up to max_batch observations can take (batch_rows x prompt_rows):
+ * on a GPU, each shape's graph is captured and its GEMMs chosen now rather than on a request's path. The
+ * largest first, so that the backend's workspace is allocated once. Nothing to do on the CPU backend. */
+pi0_status pi0_policy_warmup(pi0_policy *p, int max_batch, double *seconds, pi0_error *err) {
+    double t0 = pi0_now_ms();
+    if (seconds) *seconds = 0;
+    if (!p || max_batch < 1 || max_batch > PI0_MAX_BATCH)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy warmup: NULL policy or max_batch %d outside 1..%d",
+                        max_batch, PI0_MAX_BATCH);
+    if (!uses_graphs(p)) return PI0_OK;
+    pi0_status st = ensure_capacity(p, batch_rows(p, max_batch), err);
+    const pi0_dims *d = pi0_model_dims(p->model);
+    size_t L = (size_t)d->max_token_len, per = (size_t)d->image_size * d->image_size * 3;
+    for (int rows = prompt_rows(p, (int)L); !st && rows >= 1;
+         rows = rows > PROMPT_BUCKET ? prompt_rows(p, rows - PROMPT_BUCKET) : 0) {
+        for (int b = batch_rows(p, max_batch); !st && b >= 1; b = b > BATCH_EXACT ? b - BATCH_EXACT : b - 1) {
+            for (int k = 0; k < p->num_cameras; k++) memset(p->images[k], 0, (size_t)b * per * sizeof(float));
+            memset(p->image_masks, 1, (size_t)b * p->num_cameras);
+            memset(p->prompt_ids, 0, (size_t)b * L * sizeof(int32_t));
+            memset(p->prompt_mask, 1, (size_t)b * L);
+            memset(p->state, 0, (size_t)b * d->action_dim * sizeof(float));
+            memset(p->noise, 0, (size_t)b * p->horizon * d->action_dim * sizeof(float));
+            double model_ms;
+            st = run_batch(p, b, rows, &model_ms, err);
         }
     }
-    if (infer_ms) *infer_ms = pi0_now_ms() - t0;
-    return PI0_OK;
+    if (seconds) *seconds = (pi0_now_ms() - t0) / 1e3;
+    return st;
 }

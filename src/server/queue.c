@@ -1,3 +1,4 @@
+/* queue.c - the server's hand-offs (queue.h). */
 #include "server/queue.h"
 
 #include <math.h>
@@ -5,6 +6,119 @@
 #include <time.h>
 
 #include "util/clock.h"
+
+conn_token *conn_token_new(void) {
+    conn_token *t = malloc(sizeof *t);
+    if (!t) return NULL;
+    atomic_init(&t->refs, 1);
+    atomic_init(&t->closed, 0);
+    return t;
+}
+
+conn_token *conn_token_ref(conn_token *t) {
+    atomic_fetch_add(&t->refs, 1);
+    return t;
+}
+
+void conn_token_release(conn_token *t) {
+    if (t && atomic_fetch_sub(&t->refs, 1) == 1) free(t);
+}
+
+void server_request_free(server_request *r) {
+    if (!r) return;
+    free(r->message);
+    pi0_prepared_free(r->prepared);
+    conn_token_release(r->token);
+    free(r);
+}
+
+void server_reply_free(server_reply *r) {
+    if (!r) return;
+    free(r->data);
+    free(r);
+}
+
+/* Unlinks the requests of a list whose connection has gone; returns them, linked, and the new tail. */
+static server_request *unlink_abandoned(server_request **head, server_request **tail, int *removed) {
+    server_request *gone = NULL, **link = head;
+    *tail = NULL;
+    *removed = 0;
+    while (*link) {
+        server_request *r = *link;
+        if (atomic_load(&r->token->closed)) {
+            *link = r->next;
+            r->next = gone;
+            gone = r;
+            ++*removed;
+        } else {
+            *tail = r;
+            link = &r->next;
+        }
+    }
+    return gone;
+}
+
+/* ---- preparation ------------------------------------------------------------------------------------- */
+
+int fifo_init(request_fifo *f) {
+    *f = (request_fifo){0};
+    if (pthread_cond_init(&f->nonempty, NULL)) return -1;
+    if (pthread_mutex_init(&f->lock, NULL)) {
+        pthread_cond_destroy(&f->nonempty);
+        return -1;
+    }
+    return 0;
+}
+
+void fifo_destroy(request_fifo *f) {
+    while (f->head) {
+        server_request *r = f->head;
+        f->head = r->next;
+        server_request_free(r);
+    }
+    pthread_cond_destroy(&f->nonempty);
+    pthread_mutex_destroy(&f->lock);
+}
+
+void fifo_push(request_fifo *f, server_request *r) {
+    r->next = NULL;
+    pthread_mutex_lock(&f->lock);
+    if (f->tail) f->tail->next = r;
+    else f->head = r;
+    f->tail = r;
+    pthread_cond_signal(&f->nonempty);
+    pthread_mutex_unlock(&f->lock);
+}
+
+server_request *fifo_take(request_fifo *f) {
+    pthread_mutex_lock(&f->lock);
+    while (!f->head && !f->closed) pthread_cond_wait(&f->nonempty, &f->lock);
+    server_request *r = f->head;
+    if (r) {
+        f->head = r->next;
+        if (!f->head) f->tail = NULL;
+        r->next = NULL;
+    }
+    pthread_mutex_unlock(&f->lock);
+    return r;
+}
+
+server_request *fifo_remove_abandoned(request_fifo *f) {
+    int removed;
+    pthread_mutex_lock(&f->lock);
+    server_request *gone = unlink_abandoned(&f->head, &f->tail, &removed);
+    pthread_mutex_unlock(&f->lock);
+    return gone;
+}
+
+void fifo_close(request_fifo *f) {
+    pthread_mutex_lock(&f->lock);
+    f->closed = 1;
+    pthread_cond_broadcast(&f->nonempty);
+    pthread_mutex_unlock(&f->lock);
+}
+
+/* ---- the batch queue ------------------------------------------------------------------------------- */
 
 int queue_init(server_queue *q) {
     *q = (server_queue){0};
@@ -35,10 +149,17 @@ void queue_destroy(server_queue *q) {
     pthread_mutex_destroy(&q->lock);
 }
 
-void queue_push(server_queue *q, server_request *r, int idle_clients) {
+void queue_expect(server_queue *q, int delta) {
+    pthread_mutex_lock(&q->lock);
+    q->preparing += delta;
+    pthread_cond_signal(&q->nonempty); /* a batch waiting for this one may go now */
+    pthread_mutex_unlock(&q->lock);
+}
+
+void queue_push(server_queue *q, server_request *r) {
     r->next = NULL;
     pthread_mutex_lock(&q->lock);
-    q->idle_clients = idle_clients;
+    q->preparing--;
     if (q->tail) q->tail->next = r;
     else q->head = r;
     q->tail = r;
@@ -52,6 +173,15 @@ void queue_set_idle(server_queue *q, int idle_clients) {
     q->idle_clients = idle_clients;
     pthread_cond_signal(&q->nonempty); /* a batch waiting for idle clients may go now */
     pthread_mutex_unlock(&q->lock);
+}
+
+server_request *queue_remove_abandoned(server_queue *q) {
+    int removed;
+    pthread_mutex_lock(&q->lock);
+    server_request *gone = unlink_abandoned(&q->head, &q->tail, &removed);
+    q->count -= removed;
+    pthread_mutex_unlock(&q->lock);
+    return gone;
 }
 
 void queue_close(server_queue *q) {
@@ -75,12 +205,12 @@ static struct timespec timespec_from_ms(double ms) {
 int queue_take(server_queue *q, int max, double wait_ms, server_request **out) {
     pthread_mutex_lock(&q->lock);
     while (!q->count && !q->closed) pthread_cond_wait(&q->nonempty, &q->lock);
-    if (q->count && q->count < max && !q->closed && q->idle_clients > 0 && wait_ms > 0) {
-        /* The batch window opens when its oldest request arrived: a request that already waited while the
-         * previous batch ran does not wait again. */
-        double deadline = q->head->t_queued_ms + wait_ms;
+    if (q->count && q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && wait_ms > 0) {
+        /* The batch window opens when its oldest request was queued: a request that already waited while
+         * the previous batch ran does not wait again. */
+        double deadline = q->head->t_prepared_ms + wait_ms;
         struct timespec ts = timespec_from_ms(deadline);
-        while (q->count < max && !q->closed && q->idle_clients > 0 && pi0_now_ms() < deadline)
+        while (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && pi0_now_ms() < deadline)
             if (pthread_cond_timedwait(&q->nonempty, &q->lock, &ts)) break; /* ETIMEDOUT */
     }
     int n = 0;
@@ -114,14 +244,3 @@ server_reply *queue_take_replies(server_queue *q) {
     return r;
 }
 
-void server_request_free(server_request *r) {
-    if (!r) return;
-    pi0_observation_free(&r->obs);
-    free(r);
-}
-
-void server_reply_free(server_reply *r) {
-    if (!r) return;
-    free(r->data);
-    free(r);
-}

@@ -2,14 +2,23 @@
  * server.c - the openpi websocket policy server on libwebsockets (see server.h).
  *
  * Threads: the caller's thread runs the lws event loop (every callback below, every connection's state);
- * one worker thread owns the policy (worker_main). They share only the queue (server/queue.h): requests
- * carry a connection id, replies come back with it, and the network thread looks the id up among the live
- * connections when it delivers, so a client that left while its request ran just loses its reply.
+ * `prep_threads` threads decode and prepare requests (prep_main); one inference thread owns the model
+ * (worker_main). They share only the queues (server/queue.h): requests carry a connection id and the
+ * connection's token, replies come back with the id, and the network thread looks the id up among the
+ * live connections when it delivers, so a client that left while its request ran just loses its reply
+ * (and one that left before loses its request, which is never run).
  *
- * Per connection: at most MAX_IN_FLIGHT requests are queued; beyond that the connection stops being read
- * (lws_rx_flow_control) until a reply is written, so a pipelining client cannot queue without bound. A
- * message is reassembled from its frames into one buffer no larger than max_frame_bytes: the size of the
- * frame being read is known from its header, so an oversized request is refused at its first bytes.
+ * Per connection: at most MAX_IN_FLIGHT requests are in the server; beyond that the connection stops
+ * being read (lws_rx_flow_control) until a reply is written, so a pipelining client cannot queue without
+ * bound. A message is reassembled from its frames into one buffer no larger than max_frame_bytes: the
+ * size of the frame being read is known from its header, so an oversized request is refused at its first
+ * bytes; the buffer then goes with the request, whole, to preparation.
+ *
+ * Memory: every byte a request holds is counted, while it arrives against max_transit_bytes (network
+ * thread only; a request up to RX_ALWAYS is let in regardless, so that a robot's usual request still goes
+ * while large ones fill the budget) and from then until it is answered or dropped against max_queue_bytes
+ * (an atomic: the other threads release it). So the server's request memory stays below max_transit_bytes
+ * + max_clients x RX_ALWAYS + max_queue_bytes + what preparation and the batch hold (docs/protocol.md).
  */
 #include "server/server.h"
 
@@ -22,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -32,13 +42,27 @@
 #include "util/rng.h"
 
 enum {
-    WRITE_CHUNK = 256 * 1024,        /* bytes per outgoing websocket fragment */
-    RX_CHUNK = 64 * 1024,            /* lws's per-connection receive buffer */
-    KEEP_RX_BYTES = 8 * 1024 * 1024, /* a connection keeps a receive buffer up to this size between requests */
-    MAX_IN_FLIGHT = 2,               /* queued requests per connection before it stops being read */
-    TICK_US = 50 * 1000,             /* how often the event loop looks at *stop */
-    CLOSE_GRACE_MS = 2000,           /* at shutdown, time for connections to finish their close handshake */
+    WRITE_CHUNK = 256 * 1024,         /* bytes per outgoing websocket fragment */
+    RX_CHUNK = 64 * 1024,             /* lws's per-connection receive buffer */
+    RX_FIRST_MAX = 4 * 1024 * 1024,   /* a message's buffer starts at most this large, whatever its frame announces */
+    RX_ALWAYS = 1024 * 1024,          /* a message up to this size is received even past the transit budget, so
+                                         that robots' usual requests still go while large ones fill it */
+    MAX_IN_FLIGHT = 2,                /* requests of one connection in the server before it stops being read */
+    TICK_US = 50 * 1000,              /* how often the event loop looks at *stop and the timeouts */
+    CLOSE_GRACE_MS = 2000,            /* at shutdown, time for connections to finish their close handshake */
+    KILL_AFTER_S = 3,                 /* a connection being closed for a timeout is dropped after this, said or not */
+    FD_HEADROOM = 32,                 /* descriptors kept free below the limit (files, pipes, CUDA) */
+    MAX_PREP_THREADS = 64,
 };
+
+/* The defaults of the options' 0s (server.h). */
+#define DEFAULT_MAX_FRAME ((size_t)64 << 20)
+#define DEFAULT_MAX_TRANSIT ((size_t)1 << 30)
+#define DEFAULT_MAX_QUEUE ((size_t)1 << 30)
+#define DEFAULT_REQUEST_TIMEOUT_S 30.0
+#define DEFAULT_IDLE_TIMEOUT_S 3600.0
+#define DEFAULT_MAX_CLIENTS 256
+#define DEFAULT_PREP_THREADS 2
 
 typedef struct out_msg {
     struct out_msg *next;
@@ -47,7 +71,7 @@ typedef struct out_msg {
     int text;      /* an error message: the connection closes with 1011 after it */
     int shared;    /* the server's metadata */
     int is_reply;  /* answers a request (in_flight counts it) */
-    double t_received_ms;
+    double t_received_ms, t_posted_ms;
 } out_msg;
 
 /* Per-session data: lws allocates it zeroed for every connection, HTTP or websocket, and frees it after
@@ -56,14 +80,16 @@ typedef struct conn {
     struct conn *prev, *next; /* the server's live websocket connections */
     struct lws *wsi;
     uint64_t id;              /* never reused */
+    conn_token *token;        /* shared with its requests */
     int is_ws;                /* established (plain HTTP requests share this struct) */
     uint8_t *rx;              /* the message being reassembled */
     size_t rx_size, rx_cap;
     int rx_skip;              /* dropping the rest of the current message */
     double rx_t0;             /* its first byte */
-    int in_flight;            /* requests queued whose reply is not written yet */
+    double last_active_ms;    /* the last byte read or written */
+    int in_flight;            /* requests in the server whose reply is not written yet */
     int paused;               /* reading stopped (lws_rx_flow_control) */
-    double prev_total_ms;     /* < 0: no request answered yet */
+    double prev_total_ms, prev_send_ms; /* < 0: no request answered yet */
     uint64_t requests;
     out_msg *out_head, *out_tail;
     int failed;               /* an error frame is queued: ignore what the client sends from now on */
@@ -75,26 +101,31 @@ typedef struct conn {
 
 typedef struct {
     pi0_policy *policy;
-    pi0_server_options opts;
-    size_t max_frame;
+    pi0_server_options opts; /* with the defaults filled in */
     volatile sig_atomic_t *stop;
     struct lws_context *ctx;
     lws_sorted_usec_list_t tick;
+    request_fifo prep;
     server_queue queue;
-    pthread_t worker;
+    pthread_t worker, preppers[MAX_PREP_THREADS];
+    int num_preppers;
+    atomic_int preppers_running; /* the last one to finish closes the batch queue */
     atomic_int worker_done;
+    atomic_size_t queued_bytes; /* requests handed on and not yet answered or dropped */
+    atomic_ullong dropped;      /* requests of closed connections, never run */
     uint8_t *metadata;
     size_t metadata_size;
     uint8_t *scratch; /* LWS_PRE + WRITE_CHUNK: each outgoing fragment is copied here behind lws's headroom */
     /* network thread */
     conn *conns;
-    int num_conns;
-    uint64_t next_conn_id, seed_base, seed_count;
+    int num_conns, fd_limit;
+    size_t transit_bytes;       /* receive buffers of every connection */
+    uint64_t next_conn_id, seed_base, seed_count, refused_connections;
     int stopping, exit_loop;
     double close_deadline_ms; /* set once the worker has finished: connections get until then to close */
     /* worker thread (the counters are read by the network thread after joining it) */
-    server_request **batch;                /* max_batch each */
-    const pi0_observation **batch_obs;
+    server_request **batch;   /* max_batch each */
+    const pi0_prepared **batch_prepared;
     uint64_t *batch_seeds;
     pi0_policy_result *results;
     uint64_t served, batches, errors;
@@ -112,14 +143,25 @@ static void server_log(server *s, const char *fmt, ...) {
     s->opts.log(s->opts.user, line);
 }
 
-/* ---- the inference thread ------------------------------------------------------------------------ */
+/* ---- preparation and inference threads ------------------------------------------------------------ */
 
-static server_reply *reply_error(uint64_t conn_id, const char *message) {
+/* Frees a request and gives its bytes back to the queue budget. */
+static void request_done(server *s, server_request *r) {
+    atomic_fetch_sub(&s->queued_bytes, r->bytes);
+    server_request_free(r);
+}
+
+static int request_abandoned(const server_request *r) {
+    return atomic_load(&r->token->closed);
+}
+
+static server_reply *reply_error(const server_request *rq, const char *message) {
     server_reply *r = calloc(1, sizeof *r);
     if (!r) return NULL;
-    r->conn_id = conn_id;
+    r->conn_id = rq->conn_id;
     r->is_error = 1;
     r->size = strlen(message);
+    r->t_received_ms = rq->t_received_ms;
     if (!(r->data = malloc(r->size + 1))) {
         free(r);
         return NULL;
@@ -128,68 +170,132 @@ static server_reply *reply_error(uint64_t conn_id, const char *message) {
     return r;
 }
 
+/* Hands replies to the network thread and wakes it. */
+static void post_replies(server *s, server_reply *first, server_reply *last) {
+    double now = pi0_now_ms();
+    for (server_reply *r = first; r; r = r->next) r->t_posted_ms = now;
+    queue_post_replies(&s->queue, first, last);
+    lws_cancel_service(s->ctx);
+}
+
+static void pack_ms(pi0_packer *p, const char *key, double ms) {
+    pi0_pack_str(p, key);
+    pi0_pack_double(p, ms);
+}
+
 /* openpi's reply: {"actions": float64 (H, dims), "policy_timing": {...}, "server_timing": {...}}. */
 static server_reply *reply_make(const server_request *rq, const pi0_policy_result *res, int batch_size,
-                                double policy_ms, double t_start_ms) {
-    if (res->error.status) return reply_error(rq->conn_id, res->error.message);
+                                double t_start_ms) {
+    if (res->error.status) return reply_error(rq, res->error.message);
     pi0_packer p = {0};
+    double t_encode = pi0_now_ms();
+    pi0_pack_policy_reply(&p, res, res->model_ms, 1);
     double now = pi0_now_ms();
-    pi0_pack_policy_reply(&p, res, policy_ms, 1);
     pi0_pack_str(&p, "server_timing");
-    pi0_pack_map(&p, rq->prev_total_ms >= 0 ? 4 : 3);
-    pi0_pack_str(&p, "infer_ms");
-    pi0_pack_double(&p, now - rq->t_queued_ms);
-    if (rq->prev_total_ms >= 0) {
-        pi0_pack_str(&p, "prev_total_ms");
-        pi0_pack_double(&p, rq->prev_total_ms);
-    }
+    pi0_pack_map(&p, 9 + (rq->prev_total_ms >= 0) * 2);
+    pack_ms(&p, "infer_ms", now - rq->t_complete_ms);
+    if (rq->prev_total_ms >= 0) pack_ms(&p, "prev_total_ms", rq->prev_total_ms), pack_ms(&p, "prev_send_ms", rq->prev_send_ms);
+    pack_ms(&p, "receive_ms", rq->t_complete_ms - rq->t_received_ms);
+    pack_ms(&p, "decode_ms", rq->decode_ms);
+    pack_ms(&p, "prepare_ms", res->prepare_ms);
+    pack_ms(&p, "queue_ms", t_start_ms - rq->t_prepared_ms);
+    pack_ms(&p, "model_ms", res->model_ms);
+    pack_ms(&p, "encode_ms", now - t_encode);
+    pack_ms(&p, "prep_queue_ms", rq->t_prepared_ms - rq->t_complete_ms - rq->decode_ms - res->prepare_ms);
     pi0_pack_str(&p, "batch_size");
     pi0_pack_int(&p, batch_size);
-    pi0_pack_str(&p, "queue_ms");
-    pi0_pack_double(&p, t_start_ms - rq->t_queued_ms);
     server_reply *r = p.failed ? NULL : calloc(1, sizeof *r);
     if (!r) {
         pi0_packer_free(&p);
-        return reply_error(rq->conn_id, "out of memory packing the reply");
+        return reply_error(rq, "out of memory packing the reply");
     }
     r->conn_id = rq->conn_id;
+    r->t_received_ms = rq->t_received_ms;
     r->data = p.data; /* the packer's buffer is plain malloc'd memory: the reply takes it */
     r->size = p.size;
     return r;
 }
 
+/* Decodes and prepares one request; NULL when it failed (its error reply posted) or was dropped. */
+static server_request *prepare_request(server *s, server_request *r) {
+    if (request_abandoned(r)) {
+        atomic_fetch_add(&s->dropped, 1);
+        request_done(s, r);
+        return NULL;
+    }
+    pi0_observation obs = {0};
+    pi0_error err = {0};
+    char text[600];
+    double t0 = pi0_now_ms();
+    pi0_status st = pi0_observation_decode(r->message, r->message_size, &obs, &err);
+    r->decode_ms = pi0_now_ms() - t0;
+    if (st) snprintf(text, sizeof text, "bad request: %s", err.message);
+    free(r->message), r->message = NULL;
+    if (!st && (st = pi0_policy_prepare(s->policy, &obs, &r->prepared, &err))) snprintf(text, sizeof text, "%s", err.message);
+    pi0_observation_free(&obs);
+    r->t_prepared_ms = pi0_now_ms();
+    if (!st) return r;
+    server_reply *reply = reply_error(r, text); /* NULL: even the message found no memory; the client gets none */
+    if (reply) post_replies(s, reply, reply);
+    request_done(s, r);
+    return NULL;
+}
+
+static void *prep_main(void *arg) {
+    server *s = arg;
+    for (server_request *r; (r = fifo_take(&s->prep));) {
+        if ((r = prepare_request(s, r))) queue_push(&s->queue, r);
+        else queue_expect(&s->queue, -1);
+    }
+    /* the FIFO is closed and empty: once every preparation thread is here, nothing more comes to the model */
+    if (atomic_fetch_sub(&s->preppers_running, 1) == 1) queue_close(&s->queue);
+    return NULL;
+}
+
+/* The requests of s->batch[0..n) whose connection is still there, moved to the front; returns how many. */
+static int drop_abandoned(server *s, int n) {
+    int live = 0;
+    for (int i = 0; i < n; i++) {
+        if (request_abandoned(s->batch[i])) {
+            atomic_fetch_add(&s->dropped, 1);
+            request_done(s, s->batch[i]);
+        } else {
+            s->batch[live++] = s->batch[i];
+        }
+    }
+    return live;
+}
+
 static void *worker_main(void *arg) {
     server *s = arg;
-    for (;;) {
-        int n = queue_take(&s->queue, s->opts.max_batch, s->opts.batch_wait_ms, s->batch);
-        if (!n) break;
-        double t_start = pi0_now_ms(), policy_ms = 0;
+    for (int taken; (taken = queue_take(&s->queue, s->opts.max_batch, s->opts.batch_wait_ms, s->batch));) {
+        int n = drop_abandoned(s, taken);
+        if (!n) continue;
+        double t_start = pi0_now_ms();
         pi0_error err = {0};
         for (int i = 0; i < n; i++) {
-            s->batch_obs[i] = &s->batch[i]->obs;
+            s->batch_prepared[i] = s->batch[i]->prepared;
             s->batch_seeds[i] = s->batch[i]->seed;
             s->results[i] = (pi0_policy_result){0};
         }
         /* A failure of the whole batch is in every result too: each client gets it. */
-        pi0_policy_infer(s->policy, s->batch_obs, s->batch_seeds, n, s->results, &policy_ms, &err);
+        pi0_policy_infer_prepared(s->policy, s->batch_prepared, s->batch_seeds, n, s->results, &err);
         server_reply *first = NULL, *last = NULL;
         for (int i = 0; i < n; i++) {
-            server_reply *r = reply_make(s->batch[i], &s->results[i], n, policy_ms, t_start);
+            server_reply *r = reply_make(s->batch[i], &s->results[i], n, t_start);
             if (r) { /* NULL only when even the error message found no memory: that client gets no answer */
-                r->t_received_ms = s->batch[i]->t_received_ms;
                 if (last) last->next = r;
                 else first = r;
                 last = r;
             }
             s->errors += s->results[i].error.status != PI0_OK;
             pi0_policy_result_free(&s->results[i]);
-            server_request_free(s->batch[i]);
+            request_done(s, s->batch[i]);
         }
         s->served += (uint64_t)n;
         s->batches++;
         if (n > s->largest_batch) s->largest_batch = n;
-        queue_post_replies(&s->queue, first, last);
-        lws_cancel_service(s->ctx);
+        post_replies(s, first, last);
     }
     atomic_store(&s->worker_done, 1);
     lws_cancel_service(s->ctx);
@@ -198,7 +304,7 @@ static void *worker_main(void *arg) {
 
 /* ---- connections (network thread) ------------------------------------------------------------- */
 
-/* Connected clients with nothing queued: the ones a batch can still wait for. */
+/* Connected clients with nothing in the server: the ones a batch can still wait for. */
 static int idle_clients(const server *s) {
     int n = 0;
     for (const conn *c = s->conns; c; c = c->next) n += !c->in_flight && !c->failed;
@@ -218,10 +324,19 @@ static void out_free(out_msg *m) {
     free(m);
 }
 
-static void rx_release(conn *c) {
+static void rx_release(server *s, conn *c) {
     free(c->rx);
+    s->transit_bytes -= c->rx_cap;
     c->rx = NULL;
     c->rx_size = c->rx_cap = 0;
+}
+
+/* Ends a connection that cannot be told (or will not listen): the close handshake if it gets written, and
+ * in any case the socket dropped within KILL_AFTER_S. */
+static void conn_close_soon(conn *c, int code) {
+    c->close_code = code;
+    lws_callback_on_writable(c->wsi);
+    lws_set_timeout(c->wsi, PENDING_TIMEOUT_USER_OK, KILL_AFTER_S);
 }
 
 /* Refuses the client's request: a text frame with the message, then close 1011 (openpi's behaviour). */
@@ -236,8 +351,7 @@ static void conn_fail(server *s, conn *c, const char *fmt, ...) {
     server_log(s, "client %llu: error: %s", (unsigned long long)c->id, text);
     c->failed = 1;
     c->rx_skip = 1;
-    c->close_code = LWS_CLOSE_STATUS_UNEXPECTED_CONDITION;
-    rx_release(c);
+    rx_release(s, c);
     queue_set_idle(&s->queue, idle_clients(s));
     out_msg *m = calloc(1, sizeof *m);
     size_t len = strlen(text);
@@ -248,8 +362,8 @@ static void conn_fail(server *s, conn *c, const char *fmt, ...) {
         out_push(c, m);
     } else {
         free(m);
-        lws_callback_on_writable(c->wsi); /* close without the message */
     }
+    conn_close_soon(c, LWS_CLOSE_STATUS_UNEXPECTED_CONDITION);
 }
 
 static conn *conn_find(server *s, uint64_t id) {
@@ -263,7 +377,8 @@ static void conn_established(server *s, conn *c, struct lws *wsi) {
     c->wsi = wsi;
     c->id = ++s->next_conn_id;
     c->is_ws = 1;
-    c->prev_total_ms = -1;
+    c->prev_total_ms = c->prev_send_ms = -1;
+    c->last_active_ms = pi0_now_ms();
     c->next = s->conns;
     if (s->conns) s->conns->prev = c;
     s->conns = c;
@@ -272,7 +387,8 @@ static void conn_established(server *s, conn *c, struct lws *wsi) {
     lws_get_peer_simple(wsi, c->peer, sizeof c->peer);
     server_log(s, "client %llu connected from %s (%d connected)", (unsigned long long)c->id, c->peer, s->num_conns);
     out_msg *m = calloc(1, sizeof *m);
-    if (!m) {
+    if (!m || !(c->token = conn_token_new())) {
+        free(m);
         conn_fail(s, c, "out of memory");
         return;
     }
@@ -283,13 +399,30 @@ static void conn_established(server *s, conn *c, struct lws *wsi) {
     if (s->stopping) c->close_code = LWS_CLOSE_STATUS_GOINGAWAY;
 }
 
+/* Frees the requests of connections that have gone while they waited (for preparation or for the model),
+ * so that their bytes go back to the queue budget at once. */
+static void drop_abandoned_waiting(server *s) {
+    int expected = 0;
+    for (server_request *r = fifo_remove_abandoned(&s->prep), *next; r; r = next, expected++) {
+        next = r->next;
+        atomic_fetch_add(&s->dropped, 1);
+        request_done(s, r);
+    }
+    if (expected) queue_expect(&s->queue, -expected);
+    for (server_request *r = queue_remove_abandoned(&s->queue), *next; r; r = next) {
+        next = r->next;
+        atomic_fetch_add(&s->dropped, 1);
+        request_done(s, r);
+    }
+}
+
 static void conn_closed(server *s, conn *c) {
     if (!c->is_ws) return;
     if (c->prev) c->prev->next = c->next;
     else s->conns = c->next;
     if (c->next) c->next->prev = c->prev;
     s->num_conns--;
-    rx_release(c);
+    rx_release(s, c);
     while (c->out_head) {
         out_msg *m = c->out_head;
         c->out_head = m->next;
@@ -297,9 +430,13 @@ static void conn_closed(server *s, conn *c) {
     }
     c->out_tail = NULL;
     c->is_ws = 0;
+    if (c->token) atomic_store(&c->token->closed, 1); /* its requests still queued are dropped unrun */
+    conn_token_release(c->token);
+    c->token = NULL;
+    if (c->in_flight) drop_abandoned_waiting(s);
     queue_set_idle(&s->queue, idle_clients(s));
     server_log(s, "client %llu disconnected after %llu requests%s (%d connected)", (unsigned long long)c->id,
-               (unsigned long long)c->requests, c->in_flight ? ", its reply dropped" : "", s->num_conns);
+               (unsigned long long)c->requests, c->in_flight ? ", its requests in flight dropped" : "", s->num_conns);
 }
 
 static uint64_t next_seed(server *s) {
@@ -307,11 +444,17 @@ static uint64_t next_seed(server *s) {
     return rng_mix64(s->seed_base + ++s->seed_count);
 }
 
-/* The whole message is in c->rx: decode it and queue it for the worker. */
+/* The whole message is in c->rx: it goes, with its buffer, to preparation. */
 static void conn_request(server *s, conn *c) {
     if (s->stopping) return; /* arrived after shutdown began: dropped with the connection */
     if (!c->rx_size) {
         conn_fail(s, c, "empty request: expected a msgpack map (the observation)");
+        return;
+    }
+    size_t queued = atomic_load(&s->queued_bytes);
+    if (c->rx_cap > s->opts.max_queue_bytes - (queued < s->opts.max_queue_bytes ? queued : s->opts.max_queue_bytes)) {
+        conn_fail(s, c, "server busy: %zu MB of requests are waiting (its --max-queue-mb is %zu); try again later",
+                  queued >> 20, s->opts.max_queue_bytes >> 20);
         return;
     }
     server_request *r = calloc(1, sizeof *r);
@@ -319,31 +462,57 @@ static void conn_request(server *s, conn *c) {
         conn_fail(s, c, "out of memory");
         return;
     }
-    pi0_error err = {0};
-    if (pi0_observation_decode(c->rx, c->rx_size, &r->obs, &err)) {
-        free(r);
-        conn_fail(s, c, "bad request: %s", err.message);
-        return;
-    }
-    if (c->rx_cap > KEEP_RX_BYTES) rx_release(c);
-    c->rx_size = 0;
     r->conn_id = c->id;
+    r->token = conn_token_ref(c->token);
+    r->message = c->rx, r->message_size = c->rx_size, r->bytes = c->rx_cap;
+    atomic_fetch_add(&s->queued_bytes, r->bytes);
+    s->transit_bytes -= c->rx_cap;
+    c->rx = NULL, c->rx_size = c->rx_cap = 0;
     r->seed = next_seed(s);
     r->t_received_ms = c->rx_t0;
-    r->t_queued_ms = pi0_now_ms();
+    r->t_complete_ms = pi0_now_ms();
     r->prev_total_ms = c->prev_total_ms;
+    r->prev_send_ms = c->prev_send_ms;
     c->requests++;
     if (++c->in_flight >= MAX_IN_FLIGHT && !c->paused) {
         lws_rx_flow_control(c->wsi, 0);
         c->paused = 1;
     }
-    queue_push(&s->queue, r, idle_clients(s));
+    queue_set_idle(&s->queue, idle_clients(s));
+    queue_expect(&s->queue, +1);
+    fifo_push(&s->prep, r);
+}
+
+/* Grows the message buffer to hold `need` bytes (the frame announced `announced` in all), within the
+ * transit budget (but up to RX_ALWAYS regardless). Grows by doubling with what arrives, not with what a
+ * frame announces (beyond RX_FIRST_MAX): a peer that claims 60 MB and sends nothing costs little. */
+static int rx_reserve(server *s, conn *c, size_t need, size_t announced) {
+    if (need <= c->rx_cap) return 0;
+    size_t cap = c->rx_cap ? c->rx_cap * 2 : announced < RX_FIRST_MAX ? announced : RX_FIRST_MAX;
+    if (cap < RX_CHUNK) cap = RX_CHUNK;
+    if (cap < need) cap = need;
+    if (cap > s->opts.max_frame_bytes) cap = s->opts.max_frame_bytes;
+    if (cap > RX_ALWAYS && s->transit_bytes + (cap - c->rx_cap) > s->opts.max_transit_bytes) {
+        conn_fail(s, c, "server busy: %zu MB of requests are arriving (its --max-transit-mb is %zu); try again later",
+                  s->transit_bytes >> 20, s->opts.max_transit_bytes >> 20);
+        return -1;
+    }
+    uint8_t *rx = realloc(c->rx, cap);
+    if (!rx) {
+        conn_fail(s, c, "out of memory receiving a request of %zu bytes", announced);
+        return -1;
+    }
+    s->transit_bytes += cap - c->rx_cap;
+    c->rx = rx;
+    c->rx_cap = cap;
+    return 0;
 }
 
 static void conn_receive(server *s, conn *c, struct lws *wsi, const uint8_t *data, size_t len) {
+    c->last_active_ms = pi0_now_ms();
     if (lws_is_first_fragment(wsi)) {
         c->rx_size = 0;
-        c->rx_t0 = pi0_now_ms();
+        c->rx_t0 = c->last_active_ms;
         c->rx_skip = c->failed || s->stopping;
         if (!c->rx_skip && !lws_frame_is_binary(wsi)) {
             conn_fail(s, c, "expected a binary frame (a msgpack observation), got a text frame");
@@ -352,26 +521,12 @@ static void conn_receive(server *s, conn *c, struct lws *wsi, const uint8_t *dat
     }
     if (c->rx_skip) return;
     /* The rest of this frame is announced in its header: refuse an oversized request before buffering it. */
-    size_t remaining = lws_remaining_packet_payload(wsi), max = s->max_frame;
+    size_t remaining = lws_remaining_packet_payload(wsi), max = s->opts.max_frame_bytes;
     if (len > max - c->rx_size || remaining > max - c->rx_size - len) {
         conn_fail(s, c, "request too large: more than %zu bytes (the server's --max-frame-mb)", max);
         return;
     }
-    /* Grow by doubling with what arrives, not with what a frame announces: a peer that claims 60 MB and
-     * sends nothing costs nothing, and many small fragments cost amortized O(1) copies per byte. */
-    size_t need = c->rx_size + len;
-    if (need > c->rx_cap) {
-        size_t cap = c->rx_cap * 2 > RX_CHUNK ? c->rx_cap * 2 : RX_CHUNK;
-        if (cap < need) cap = need;
-        if (cap > max) cap = max;
-        uint8_t *rx = realloc(c->rx, cap);
-        if (!rx) {
-            conn_fail(s, c, "out of memory receiving a request of %zu bytes", need + remaining);
-            return;
-        }
-        c->rx = rx;
-        c->rx_cap = cap;
-    }
+    if (rx_reserve(s, c, c->rx_size + len, c->rx_size + len + remaining)) return;
     if (len) memcpy(c->rx + c->rx_size, data, len);
     c->rx_size += len;
     if (lws_is_final_fragment(wsi)) conn_request(s, c);
@@ -384,7 +539,10 @@ static int conn_writeable(server *s, conn *c, struct lws *wsi) {
         if (!c->close_code) return 0;
         static const char error_reason[] = "Internal server error. The error is in the previous frame.";
         static const char away_reason[] = "Server shutting down.";
-        const char *reason = c->close_code == LWS_CLOSE_STATUS_GOINGAWAY ? away_reason : error_reason;
+        static const char idle_reason[] = "Idle timeout.";
+        const char *reason = c->close_code == LWS_CLOSE_STATUS_UNEXPECTED_CONDITION ? error_reason
+                             : s->stopping                                          ? away_reason
+                                                                                    : idle_reason;
         lws_close_reason(wsi, (enum lws_close_status)c->close_code, (unsigned char *)reason, strlen(reason));
         return -1;
     }
@@ -396,12 +554,14 @@ static int conn_writeable(server *s, conn *c, struct lws *wsi) {
         return -1;
     }
     m->sent += chunk;
+    c->last_active_ms = pi0_now_ms();
     if (m->sent == m->size) {
         c->out_head = m->next;
         if (!c->out_head) c->out_tail = NULL;
         if (m->is_reply) {
             c->in_flight--;
-            c->prev_total_ms = pi0_now_ms() - m->t_received_ms;
+            c->prev_total_ms = c->last_active_ms - m->t_received_ms;
+            c->prev_send_ms = c->last_active_ms - m->t_posted_ms;
             if (c->paused && c->in_flight < MAX_IN_FLIGHT && !c->failed) {
                 lws_rx_flow_control(wsi, 1);
                 c->paused = 0;
@@ -415,7 +575,7 @@ static int conn_writeable(server *s, conn *c, struct lws *wsi) {
     return 0;
 }
 
-/* Hands the worker's replies to their connections; those whose client has gone are dropped. */
+/* Hands the other threads' replies to their connections; those whose client has gone are dropped. */
 static void deliver_replies(server *s) {
     server_reply *r = queue_take_replies(&s->queue);
     while (r) {
@@ -428,6 +588,7 @@ static void deliver_replies(server *s) {
             m->text = r->is_error;
             m->is_reply = 1;
             m->t_received_ms = r->t_received_ms;
+            m->t_posted_ms = r->t_posted_ms;
             r->data = NULL;
             if (r->is_error) {
                 server_log(s, "client %llu: error: %.*s", (unsigned long long)c->id, (int)m->size, (const char *)m->data);
@@ -443,6 +604,21 @@ static void deliver_replies(server *s) {
     }
 }
 
+/* Closes connections past their request or idle timeout. */
+static void check_timeouts(server *s) {
+    double now = pi0_now_ms(), request_ms = s->opts.request_timeout_s * 1e3, idle_ms = s->opts.idle_timeout_s * 1e3;
+    for (conn *c = s->conns; c; c = c->next) {
+        if (c->failed || c->close_code) continue;
+        if (c->rx_size && now - c->rx_t0 > request_ms) {
+            conn_fail(s, c, "request not complete %.0f s after its first byte (the server's --request-timeout-s)",
+                      s->opts.request_timeout_s);
+        } else if (!c->rx_size && !c->in_flight && !c->out_head && now - c->last_active_ms > idle_ms) {
+            server_log(s, "client %llu: idle for %.0f s, closing", (unsigned long long)c->id, s->opts.idle_timeout_s);
+            conn_close_soon(c, LWS_CLOSE_STATUS_GOINGAWAY);
+        }
+    }
+}
+
 static void begin_stop(server *s) {
     s->stopping = 1;
     int in_flight = 0;
@@ -452,7 +628,7 @@ static void begin_stop(server *s) {
         lws_callback_on_writable(c->wsi);
     }
     server_log(s, "shutting down: %d requests in flight, %d clients connected", in_flight, s->num_conns);
-    queue_close(&s->queue);
+    fifo_close(&s->prep);
 }
 
 /* After each lws_service round and tick: start or advance the shutdown. */
@@ -468,6 +644,7 @@ static void check_stop(server *s) {
 static void on_tick(lws_sorted_usec_list_t *sul) {
     server *s = lws_container_of(sul, server, tick);
     check_stop(s);
+    if (!s->stopping) check_timeouts(s);
     lws_sul_schedule(s->ctx, 0, &s->tick, on_tick, TICK_US);
 }
 
@@ -481,13 +658,37 @@ static int write_http(struct lws *wsi, conn *c) {
     return 0;
 }
 
+/* A websocket upgrade is accepted only as RFC 6455 asks: HTTP/1.1 and Sec-WebSocket-Version 13
+ * (libwebsockets 4.1 would take any version, and HTTP/1.0). */
+static int upgrade_refused(struct lws *wsi) {
+    char version[16] = "", http[16] = "";
+    lws_hdr_copy(wsi, version, sizeof version, WSI_TOKEN_VERSION);
+    lws_hdr_copy(wsi, http, sizeof http, WSI_TOKEN_HTTP);
+    return strcmp(version, "13") != 0 || strcmp(http, "HTTP/1.1") != 0;
+}
+
+/* A peer's close code that RFC 6455 (7.4) allows on the wire: 1000-1003, 1007-1014, 3000-4999. */
+static int close_code_valid(const uint8_t *payload, size_t len) {
+    if (len == 0) return 1;
+    if (len == 1) return 0;
+    int code = payload[0] << 8 | payload[1];
+    return (code >= 1000 && code <= 1003) || (code >= 1007 && code <= 1014) || (code >= 3000 && code <= 4999);
+}
+
 static int callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len) {
     server *s = wsi ? lws_context_user(lws_get_context(wsi)) : NULL;
     conn *c = user;
     if (!s) return lws_callback_http_dummy(wsi, reason, user, in, len);
     switch (reason) {
-    case LWS_CALLBACK_FILTER_NETWORK_CONNECTION:
-        return s->stopping; /* refuse new connections once shutting down */
+    case LWS_CALLBACK_FILTER_NETWORK_CONNECTION: {
+        /* Refused at accept (closed at once): past max_clients, or too close to the descriptor limit, where
+         * a failing accept() would leave the listening socket readable and the event loop spinning. */
+        int fd = (int)(intptr_t)in, refuse = s->stopping || s->num_conns >= s->opts.max_clients || fd >= s->fd_limit;
+        s->refused_connections += refuse;
+        return refuse;
+    }
+    case LWS_CALLBACK_FILTER_PROTOCOL_CONNECTION:
+        return upgrade_refused(wsi);
     case LWS_CALLBACK_HTTP: {
         /* Not an upgrade: openpi's server answers GET /healthz, and websockets' 426 to anything else. */
         int health = in && !strcmp((const char *)in, "/healthz");
@@ -512,6 +713,8 @@ static int callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
     case LWS_CALLBACK_RECEIVE:
         if (c && c->is_ws) conn_receive(s, c, wsi, in, len);
         return 0;
+    case LWS_CALLBACK_WS_PEER_INITIATED_CLOSE:
+        return !close_code_valid(in, len); /* 0: lws echoes the close; else it just drops the connection */
     case LWS_CALLBACK_SERVER_WRITEABLE:
         return c && c->is_ws ? conn_writeable(s, c, wsi) : 0;
     case LWS_CALLBACK_CLOSED:
@@ -528,28 +731,38 @@ static int callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
 
 /* ---- set-up --------------------------------------------------------------------------------------- */
 
+static void pack_int_pair(pi0_packer *p, const char *key, int64_t value) {
+    pi0_pack_str(p, key);
+    pi0_pack_int(p, value);
+}
+
 static pi0_status pack_metadata(server *s, pi0_error *err) {
     const pi0_model *m = pi0_policy_model(s->policy);
+    const pi0_server_options *o = &s->opts;
     pi0_packer p = {0};
-    pi0_pack_map(&p, 9);
+    pi0_pack_map(&p, 10);
     pi0_pack_str(&p, "engine");
     pi0_pack_str(&p, "pi0");
     pi0_pack_str(&p, "model");
     pi0_pack_str(&p, pi0_model_kind_name(pi0_model_dims(m)->kind));
     pi0_pack_str(&p, "adapter");
     pi0_pack_str(&p, pi0_policy_adapter_name(s->policy));
-    pi0_pack_str(&p, "action_horizon");
-    pi0_pack_int(&p, pi0_policy_horizon(s->policy));
-    pi0_pack_str(&p, "action_dims");
-    pi0_pack_int(&p, pi0_policy_action_dims(s->policy));
-    pi0_pack_str(&p, "action_dim");
-    pi0_pack_int(&p, pi0_model_dims(m)->action_dim);
+    pack_int_pair(&p, "action_horizon", pi0_policy_horizon(s->policy));
+    pack_int_pair(&p, "action_dims", pi0_policy_action_dims(s->policy));
+    pack_int_pair(&p, "action_dim", pi0_model_dims(m)->action_dim);
     pi0_pack_str(&p, "backend");
     pi0_pack_str(&p, pi0_backend_name(pi0_model_backend(m)));
-    pi0_pack_str(&p, "max_batch");
-    pi0_pack_int(&p, s->opts.max_batch);
-    pi0_pack_str(&p, "batch_wait_ms");
-    pi0_pack_double(&p, s->opts.batch_wait_ms);
+    pack_int_pair(&p, "max_batch", o->max_batch);
+    pack_ms(&p, "batch_wait_ms", o->batch_wait_ms);
+    pi0_pack_str(&p, "limits");
+    pi0_pack_map(&p, 7);
+    pack_int_pair(&p, "max_frame_bytes", (int64_t)o->max_frame_bytes);
+    pack_int_pair(&p, "max_transit_bytes", (int64_t)o->max_transit_bytes);
+    pack_int_pair(&p, "max_queue_bytes", (int64_t)o->max_queue_bytes);
+    pack_ms(&p, "request_timeout_s", o->request_timeout_s);
+    pack_ms(&p, "idle_timeout_s", o->idle_timeout_s);
+    pack_int_pair(&p, "max_clients", o->max_clients);
+    pack_int_pair(&p, "max_in_flight_per_client", MAX_IN_FLIGHT);
     if (p.failed || !(s->metadata = malloc(p.size))) {
         pi0_packer_free(&p);
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory packing the server metadata");
@@ -568,6 +781,44 @@ static uint64_t fresh_seed_base(void) {
     return rng_mix64((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) ^ (uint64_t)getpid();
 }
 
+/* The options checked, with their 0s replaced by the defaults. */
+static pi0_status resolve_options(const pi0_server_options *in, pi0_server_options *o, pi0_error *err) {
+    *o = *in;
+    if (o->max_batch < 1 || o->max_batch > PI0_MAX_BATCH)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "max_batch %d is outside 1..%d", o->max_batch, PI0_MAX_BATCH);
+    if (!(o->batch_wait_ms >= 0 && o->batch_wait_ms <= 60000))
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "batch_wait_ms %g is outside 0..60000", o->batch_wait_ms);
+    if (o->port < 0 || o->port > 65535)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "port %d is outside 0..65535", o->port);
+    if (!(o->request_timeout_s >= 0 && o->idle_timeout_s >= 0 && o->request_timeout_s <= 1e6 && o->idle_timeout_s <= 1e9))
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "request_timeout_s %g or idle_timeout_s %g is negative or too large",
+                        o->request_timeout_s, o->idle_timeout_s);
+    if (o->max_clients < 0 || o->prep_threads < 0 || o->prep_threads > MAX_PREP_THREADS)
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "max_clients %d is negative or prep_threads %d outside 0..%d",
+                        o->max_clients, o->prep_threads, MAX_PREP_THREADS);
+    if (!o->max_frame_bytes) o->max_frame_bytes = DEFAULT_MAX_FRAME;
+    if (!o->max_transit_bytes) o->max_transit_bytes = DEFAULT_MAX_TRANSIT;
+    if (!o->max_queue_bytes) o->max_queue_bytes = DEFAULT_MAX_QUEUE;
+    if (!o->request_timeout_s) o->request_timeout_s = DEFAULT_REQUEST_TIMEOUT_S;
+    if (!o->idle_timeout_s) o->idle_timeout_s = DEFAULT_IDLE_TIMEOUT_S;
+    if (!o->max_clients) o->max_clients = DEFAULT_MAX_CLIENTS;
+    if (!o->prep_threads) o->prep_threads = DEFAULT_PREP_THREADS;
+    return PI0_OK;
+}
+
+/* Raises the soft descriptor limit to the hard one and returns the highest descriptor a connection may
+ * take: FD_HEADROOM below the limit. */
+static int descriptor_ceiling(void) {
+    struct rlimit r;
+    if (getrlimit(RLIMIT_NOFILE, &r)) return 1024 - FD_HEADROOM;
+    if (r.rlim_cur < r.rlim_max) {
+        struct rlimit raised = {r.rlim_max, r.rlim_max};
+        if (!setrlimit(RLIMIT_NOFILE, &raised)) r = raised;
+    }
+    rlim_t limit = r.rlim_cur == RLIM_INFINITY || r.rlim_cur > (1 << 20) ? (1 << 20) : r.rlim_cur;
+    return (int)limit - FD_HEADROOM;
+}
+
 static const struct lws_protocols protocols[] = {
     /* The first protocol serves plain HTTP and every websocket that asks for no sub-protocol (openpi's
      * client asks for none) on any path. No extensions are offered, so no permessage-deflate. */
@@ -575,47 +826,23 @@ static const struct lws_protocols protocols[] = {
     {NULL, NULL, 0, 0, 0, NULL, 0},
 };
 
-pi0_status pi0_server_run(pi0_policy *policy, const pi0_server_options *opts, volatile sig_atomic_t *stop,
-                          pi0_error *err) {
-    if (!policy || !opts || !stop) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "pi0_server_run: NULL argument");
-    if (opts->max_batch < 1 || opts->max_batch > 64)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "max_batch %d is outside 1..64", opts->max_batch);
-    if (!(opts->batch_wait_ms >= 0 && opts->batch_wait_ms <= 60000))
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "batch_wait_ms %g is outside 0..60000", opts->batch_wait_ms);
-    if (opts->port < 0 || opts->port > 65535)
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "port %d is outside 0..65535", opts->port);
+/* The threads run with every signal blocked, so SIGINT/SIGTERM interrupt the event loop's poll (or an
+ * OpenMP thread's sleep; the tick notices those within TICK_US). */
+static int start_thread(pthread_t *t, void *(*fn)(void *), server *s) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int rc = pthread_create(t, NULL, fn, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc;
+}
 
-    server *s = calloc(1, sizeof *s);
-    if (!s) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
-    s->policy = policy;
-    s->opts = *opts;
-    s->stop = stop;
-    s->max_frame = opts->max_frame_bytes ? opts->max_frame_bytes : (size_t)64 << 20;
-    s->seed_base = fresh_seed_base();
-    atomic_init(&s->worker_done, 0);
-    pi0_status st = PI0_OK;
-    int queue_ok = 0, worker_started = 0;
-    size_t max = (size_t)opts->max_batch;
-    s->batch = calloc(max, sizeof *s->batch);
-    s->batch_obs = calloc(max, sizeof *s->batch_obs);
-    s->batch_seeds = calloc(max, sizeof *s->batch_seeds);
-    s->results = calloc(max, sizeof *s->results);
-    if (!(s->scratch = malloc(LWS_PRE + WRITE_CHUNK)) || !s->batch || !s->batch_obs || !s->batch_seeds || !s->results) {
-        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
-        goto done;
-    }
-    if ((st = pack_metadata(s, err))) goto done;
-    if (queue_init(&s->queue)) {
-        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "could not create the request queue");
-        goto done;
-    }
-    queue_ok = 1;
-
-    const char *host = opts->host && *opts->host ? opts->host : "127.0.0.1";
+static pi0_status listen_on(server *s, int *port, pi0_error *err) {
+    const char *host = s->opts.host && *s->opts.host ? s->opts.host : "127.0.0.1";
     int any = !strcmp(host, "0.0.0.0") || !strcmp(host, "::") || !strcmp(host, "*");
     struct lws_context_creation_info info;
     memset(&info, 0, sizeof info);
-    info.port = opts->port;
+    info.port = s->opts.port;
     info.iface = any ? NULL : !strcmp(host, "localhost") ? "127.0.0.1" : host;
     info.protocols = protocols;
     info.gid = -1;
@@ -624,33 +851,73 @@ pi0_status pi0_server_run(pi0_policy *policy, const pi0_server_options *opts, vo
     info.pt_serv_buf_size = 256 * 1024;
     info.options = LWS_SERVER_OPTION_FAIL_UPON_UNABLE_TO_BIND | (strchr(host, ':') ? 0 : LWS_SERVER_OPTION_DISABLE_IPV6);
     lws_set_log_level(0, NULL); /* the library prints nothing; failures come back through err */
-    if (!(s->ctx = lws_create_context(&info))) {
-        st = pi0_fail(err, PI0_ERR_IO, "could not listen on %s:%d (address in use, or not an address of this machine?)",
-                      host, opts->port);
-        goto done;
-    }
+    if (!(s->ctx = lws_create_context(&info)))
+        return pi0_fail(err, PI0_ERR_IO, "could not listen on %s:%d (address in use, or not an address of this machine?)",
+                        host, s->opts.port);
     struct lws_vhost *vh = lws_get_vhost_by_name(s->ctx, "default");
-    int port = vh ? lws_get_vhost_listen_port(vh) : opts->port;
-    if (port <= 0) {
-        st = pi0_fail(err, PI0_ERR_IO, "could not listen on %s:%d", host, opts->port);
+    *port = vh ? lws_get_vhost_listen_port(vh) : s->opts.port;
+    if (*port <= 0) return pi0_fail(err, PI0_ERR_IO, "could not listen on %s:%d", host, s->opts.port);
+    return PI0_OK;
+}
+
+static void log_summary(server *s) {
+    if (!s->served && !s->errors && !atomic_load(&s->dropped) && !s->refused_connections) return;
+    server_log(s, "served %llu requests in %llu batches (mean batch %.2f, largest %d), %llu refused by the policy, "
+               "%llu dropped (client gone), %llu connections refused at accept",
+               (unsigned long long)s->served, (unsigned long long)s->batches,
+               s->batches ? (double)s->served / (double)s->batches : 0.0, s->largest_batch,
+               (unsigned long long)s->errors, (unsigned long long)atomic_load(&s->dropped),
+               (unsigned long long)s->refused_connections);
+}
+
+pi0_status pi0_server_run(pi0_policy *policy, const pi0_server_options *opts, volatile sig_atomic_t *stop,
+                          pi0_error *err) {
+    if (!policy || !opts || !stop) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "pi0_server_run: NULL argument");
+    server *s = calloc(1, sizeof *s);
+    if (!s) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    pi0_status st = resolve_options(opts, &s->opts, err);
+    if (st) {
+        free(s);
+        return st;
+    }
+    s->policy = policy;
+    s->stop = stop;
+    s->seed_base = fresh_seed_base();
+    s->fd_limit = descriptor_ceiling();
+    atomic_init(&s->worker_done, 0);
+    atomic_init(&s->queued_bytes, 0);
+    atomic_init(&s->dropped, 0);
+    atomic_init(&s->preppers_running, s->opts.prep_threads);
+    int fifo_ok = 0, queue_ok = 0, worker_started = 0, port = 0;
+    size_t max = (size_t)s->opts.max_batch;
+    s->batch = calloc(max, sizeof *s->batch);
+    s->batch_prepared = calloc(max, sizeof *s->batch_prepared);
+    s->batch_seeds = calloc(max, sizeof *s->batch_seeds);
+    s->results = calloc(max, sizeof *s->results);
+    if (!(s->scratch = malloc(LWS_PRE + WRITE_CHUNK)) || !s->batch || !s->batch_prepared || !s->batch_seeds ||
+        !s->results) {
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
         goto done;
     }
-
-    /* The worker runs with every signal blocked, so SIGINT/SIGTERM interrupt the event loop's poll (or
-     * an OpenMP thread's sleep; the tick notices those within TICK_US). */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
-    int rc = pthread_create(&s->worker, NULL, worker_main, s);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (rc) {
+    if ((st = pack_metadata(s, err))) goto done;
+    if (!(fifo_ok = !fifo_init(&s->prep)) || !(queue_ok = !queue_init(&s->queue))) {
+        st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "could not create the request queues");
+        goto done;
+    }
+    if ((st = listen_on(s, &port, err))) goto done;
+    if (start_thread(&s->worker, worker_main, s)) {
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "could not start the inference thread");
         goto done;
     }
     worker_started = 1;
+    for (; s->num_preppers < s->opts.prep_threads; s->num_preppers++)
+        if (start_thread(&s->preppers[s->num_preppers], prep_main, s)) {
+            st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "could not start the preparation threads");
+            goto done;
+        }
 
     lws_sul_schedule(s->ctx, 0, &s->tick, on_tick, TICK_US);
-    if (opts->on_listen) opts->on_listen(opts->user, port);
+    if (s->opts.on_listen) s->opts.on_listen(s->opts.user, port);
     while (!s->exit_loop) {
         if (lws_service(s->ctx, 0) < 0) {
             st = pi0_fail(err, PI0_ERR_IO, "the network event loop failed");
@@ -659,23 +926,23 @@ pi0_status pi0_server_run(pi0_policy *policy, const pi0_server_options *opts, vo
     }
 
 done:
+    /* preparation first: what it still pushes, the worker runs (or drops) before it stops */
+    if (fifo_ok) fifo_close(&s->prep);
+    for (int i = 0; i < s->num_preppers; i++) pthread_join(s->preppers[i], NULL);
     if (worker_started) {
         queue_close(&s->queue);
         pthread_join(s->worker, NULL);
-        if (s->served || s->errors)
-            server_log(s, "served %llu requests in %llu batches (mean batch %.2f, largest %d), %llu refused by the policy",
-                       (unsigned long long)s->served, (unsigned long long)s->batches,
-                       s->batches ? (double)s->served / (double)s->batches : 0.0, s->largest_batch,
-                       (unsigned long long)s->errors);
+        log_summary(s);
     }
     if (s->ctx) {
         lws_sul_cancel(&s->tick);
         lws_context_destroy(s->ctx); /* closes what is left: LWS_CALLBACK_CLOSED frees each connection */
     }
     if (queue_ok) queue_destroy(&s->queue);
+    if (fifo_ok) fifo_destroy(&s->prep);
     free(s->metadata);
     free(s->scratch);
-    free(s->batch), free(s->batch_obs), free(s->batch_seeds), free(s->results);
+    free(s->batch), free(s->batch_prepared), free(s->batch_seeds), free(s->results);
     free(s);
     return st;
 }

@@ -485,7 +485,7 @@ TEST(test_denoise_like) {
     }
 }
 
-/* GQA and other head groupings, with and without a state mask, in every supported head dim. */
+/* GQA and other head groupings, with and without a state mask, in Pi0's head dims and the fixtures' (16, 32). */
 TEST(test_gqa) {
     rng_seed_for("gqa");
     static const int heads[][3] = {{8, 2, 256}, {12, 4, 72}, {8, 1, 72}, {2, 2, 256}, {6, 3, 256}, {16, 2, 72},
@@ -509,6 +509,37 @@ TEST(test_gqa) {
         c.v_shift = 10.0f;
         c.segs = segs;
         c.nseg = nseg;
+        run_case(&c);
+    }
+}
+
+/* Head dims other than Pi0's 72 and 256 (the padded kernels: any multiple of 8 up to 256), each with a
+ * head grouping, through a prefix-like call (ragged segments, fused rows, NaN or odd padding in the leading
+ * dimensions: the 16-byte and the scalar copy paths) and a denoise-like one (few queries over many keys,
+ * state masks: small enough for the few-queries kernels under the automatic choice). */
+TEST(test_head_dims) {
+    rng_seed_for("head_dims");
+    static const int hds[] = {8, 16, 24, 40, 64, 96, 128, 136, 200, 248};
+    static const int heads[][2] = {{3, 1}, {4, 2}, {6, 6}, {8, 1}};
+    for (int i = 0; i < (int)(sizeof hds / sizeof hds[0]); i++) {
+        const int nh = heads[i % 4][0], nkv = heads[i % 4][1];
+        attn_segment prefix[] = {{0, 37, 0, 37, 0}, {37, 70, 37, 70, 0}, {107, 5, 107, 5, 0}};
+        attn_segment denoise[] = {{0, 11, 3, 300, 290}, {11, 11, 310, 150, 140}};
+        char name[64];
+        snprintf(name, sizeof name, "prefix, %d/%d x %d, ld+%d", nh, nkv, hds[i], i % 2 ? 1 : 8);
+        attn_case c = base_case(name, nh, nkv, hds[i]);
+        c.fused = 1;
+        c.ld_extra = i % 2 ? 1 : 8;
+        c.q_amp = 2.0f;
+        c.segs = prefix;
+        c.nseg = 3;
+        run_case(&c);
+        snprintf(name, sizeof name, "denoise, %d/%d x %d", nh, nkv, hds[i]);
+        c = base_case(name, nh, nkv, hds[i]);
+        c.q_amp = 1.5f;
+        c.v_shift = 10.0f;
+        c.segs = denoise;
+        c.nseg = 2;
         run_case(&c);
     }
 }
@@ -597,11 +628,11 @@ TEST(test_large_logits) {
     run_case(&c);
 }
 
-/* Random shapes, head groupings and layouts, fresh every run. */
+/* Random shapes, head groupings and layouts, fresh every run; head dim 0 below: a random multiple of 8. */
 TEST(test_random_shapes) {
     rng_seed_for("random_shapes");
     static const int heads[][3] = {{8, 1, 256}, {16, 16, 72}, {8, 2, 256}, {4, 1, 72}, {3, 1, 256}, {10, 5, 72},
-                                   {4, 1, 16}, {8, 2, 32}};
+                                   {4, 1, 16}, {8, 2, 32}, {6, 2, 0}, {5, 5, 0}};
     for (int iter = 0; iter < 16; iter++) {
         attn_segment segs[6];
         int nseg = rng_int(1, 6), qrow = rng_int(0, 3), krow = rng_int(0, 3), fused = rng_int(0, 1);
@@ -613,11 +644,11 @@ TEST(test_random_shapes) {
             qrow += nq + rng_int(0, 2);
             krow += nk + rng_int(0, 4);
         }
-        int hc = rng_int(0, 7);
+        int hc = rng_int(0, 9), hd = heads[hc][2] ? heads[hc][2] : 8 * rng_int(1, 32);
         char name[64];
-        snprintf(name, sizeof name, "random #%d: %d seg, %d/%d x %d%s", iter, nseg, heads[hc][0], heads[hc][1],
-                 heads[hc][2], fused ? ", fused" : "");
-        attn_case c = base_case(name, heads[hc][0], heads[hc][1], heads[hc][2]);
+        snprintf(name, sizeof name, "random #%d: %d seg, %d/%d x %d%s", iter, nseg, heads[hc][0], heads[hc][1], hd,
+                 fused ? ", fused" : "");
+        attn_case c = base_case(name, heads[hc][0], heads[hc][1], hd);
         c.fused = fused;
         c.ld_extra = rng_int(0, 3) == 0 ? 8 : 0;
         c.q_amp = (float)(0.5 + 3.0 * rng_unit());
@@ -683,8 +714,8 @@ TEST(test_graph_replay) {
     }
 }
 
-/* Argument checks: unsupported head_dim (not 16, 32, 72, 256) and head grouping are refused; no work
- * means no launch. */
+/* Argument checks: unsupported head_dim (not a multiple of 8 up to 256) and head grouping are refused; no
+ * work means no launch. */
 TEST(test_arguments) {
     rng_seed_for("arguments");
     attn_segment segs[] = {{0, 10, 0, 10, 0}};
@@ -698,8 +729,8 @@ TEST(test_arguments) {
     }
     pi0_bf16 *o = f.d_out + f.o_off;
     const pi0_bf16 *q = f.d_in + f.q_off, *k = f.d_in + f.k_off, *v = f.d_in + f.v_off;
-    static const int bad_hd[] = {0, 8, 64, 80, 128, 255};
-    for (int i = 0; i < 6; i++)
+    static const int bad_hd[] = {0, -8, 4, 12, 100, 255, 264};
+    for (int i = 0; i < 7; i++)
         CHECK(pi0_cuda_attention(o, 4096, q, 4096, k, v, 4096, f.d_segs, 1, 10, 8, 1, bad_hd[i], 1.0f, g_stream) ==
                   cudaErrorInvalidValue,
               "head_dim %d", bad_hd[i]);
@@ -769,6 +800,7 @@ int main(int argc, char **argv) {
     RUN(test_prefix_mqa);
     RUN(test_denoise_like);
     RUN(test_gqa);
+    RUN(test_head_dims);
     RUN(test_empty_segments);
     RUN(test_max_num_q_oversized);
     RUN(test_unaligned);

@@ -84,12 +84,15 @@ static void fixture_case(const char *name) {
     REQUIRE(io_open(&f, name) == 0);
     pi0_model *m = load(name, PI0_BACKEND_CUDA);
     REQUIRE(m && pi0_model_backend(m) == PI0_BACKEND_CUDA);
-    const struct { int steps; const char *key; } cases[] = {{10, "actions"}, {3, "actions_3step"}, {1, "actions_1step"}};
+    /* the last case computes the masked cameras and padding too (pi0_batch.uniform_shape: a server's shapes) */
+    const struct { int steps; const char *key; int uniform; } cases[] = {
+        {10, "actions", 0}, {3, "actions_3step", 0}, {1, "actions_1step", 0}, {10, "actions", 1}};
     size_t n = actions_len(&f.batch);
     float *got = malloc(n * sizeof(float));
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         pi0_error err = {0};
         f.batch.num_steps = cases[i].steps;
+        f.batch.uniform_shape = cases[i].uniform;
         /* twice: the first call runs eagerly, the second replays the captured graph */
         for (int run = 0; run < 2; run++) {
             REQUIRE(pi0_sample_actions(m, &f.batch, got, NULL, &err) == PI0_OK, "%s", err.message);
@@ -97,8 +100,8 @@ static void fixture_case(const char *name) {
             double e = rel_error(got, ref, n), worst = 0;
             size_t per = n / f.batch.batch;
             for (int b = 0; b < f.batch.batch; b++) worst = fmax(worst, rel_error(got + b * per, ref + b * per, per));
-            fprintf(stderr, "  %s %s (%s): rel error %.3g, worst sample %.3g\n", name, cases[i].key, run ? "graph" : "eager",
-                    e, worst);
+            fprintf(stderr, "  %s %s%s (%s): rel error %.3g, worst sample %.3g\n", name, cases[i].key,
+                    cases[i].uniform ? " uniform" : "", run ? "graph" : "eager", e, worst);
             CHECK(worst <= TOL_BF16, "%s %s: %.3g > %g", name, cases[i].key, worst, TOL_BF16);
             free(ref);
         }
@@ -320,19 +323,23 @@ TEST(graph_replay_equals_eager_and_repeats) {
     io_close(&f);
 }
 
-/* More shapes than the cache holds, alternating: each result stays what it was the first time. */
+/* More shapes than the cache holds (PI0_CUDA_MAX_GRAPHS=4), alternating step counts and batch sizes (the
+ * workspace grows, dropping the graphs made so far): each result stays what it was the first time. */
 TEST(graph_cache_many_shapes) {
     fixture_io f;
     REQUIRE(io_open(&f, "pi0_tiny") == 0);
+    setenv("PI0_CUDA_MAX_GRAPHS", "4", 1);
     pi0_model *m = load("pi0_tiny", PI0_BACKEND_CUDA);
+    unsetenv("PI0_CUDA_MAX_GRAPHS");
     REQUIRE(m);
-    enum { SHAPES = MAX_GRAPHS + 3 };
+    enum { SHAPES = 7 };
     float *first[SHAPES];
     pi0_error err = {0};
     for (int round = 0; round < 2; round++)
         for (int sh = 0; sh < SHAPES; sh++) {
             pi0_batch b = f.batch;
-            b.num_steps = 1 + sh; /* each step count is its own graph */
+            b.num_steps = 1 + sh; /* each step count is its own graph and its own step tables */
+            b.batch = 1 + sh % 2; /* the workspace grows for the second sample */
             float *out = malloc(actions_len(&b) * 4);
             REQUIRE(pi0_sample_actions(m, &b, out, NULL, &err) == PI0_OK, "%s", err.message);
             if (round == 0) first[sh] = out;
