@@ -105,8 +105,11 @@ def run_client(args, index, barrier, out):
             one = request(args, obs, rng)
             t = time.monotonic()
             reply = policy.infer(one)
-            result["latencies"].append((time.monotonic() - t) * 1e3)
+            ms = (time.monotonic() - t) * 1e3
+            result["latencies"].append(ms)
             timing = reply.get("server_timing", {})
+            result["slowest"] = sorted(result.get("slowest", []) + [(round(ms, 2), {k: round(float(v), 3) for k, v in
+                                       timing.items()}, round(time.monotonic() - result["t0"], 2))], key=lambda x: -x[0])[:3]
             if timing.get("batch_size") is not None:
                 result["batches"].append(int(timing["batch_size"]))
             result["timings"].append({key: float(timing.get(key, 0.0)) for key in BREAKDOWN if key in timing})
@@ -201,6 +204,8 @@ def main():
             "over_2x_p50": int((lat > 2 * np.percentile(lat, 50)).sum()) if lat.size else None,
         },
         "breakdown_ms": breakdown,
+        # the three slowest requests: latency, the server's timing of that request, seconds into the run
+        "slowest": sorted([x for r in results for x in r.get("slowest", [])], key=lambda x: -x[0])[:3],
         "vary": args.vary,
         "drop_camera": args.drop_camera,
         "batch_size": {"mean": round(float(batches.mean()), 2), "max": int(batches.max())} if batches.size else None,

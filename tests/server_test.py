@@ -15,6 +15,7 @@ Starts `pi0 serve` (from $PI0_BIN, default build/pi0) on the CPU backend on a ti
 Prints one line per check and a final "N passed, N failed".
 """
 import base64
+import faulthandler
 import json
 import os
 import re
@@ -309,12 +310,15 @@ class GoodClient(threading.Thread):
         self.ok = 0
         self.errors = []
         self.halt = threading.Event()
+        self.max_ms = 0.0  # its slowest answer since the last reset
 
     def run(self):
         try:
             client = WebsocketClientPolicy(self.uri)
             while not self.halt.is_set():
+                t = time.monotonic()
                 check_actions(client.infer(self.obs), self.expected, f"answer {self.ok}")
+                self.max_ms = max(self.max_ms, (time.monotonic() - t) * 1e3)
                 self.ok += 1
             client._ws.close()
         except Exception as e:  # noqa: BLE001
@@ -336,6 +340,8 @@ class GoodClient(threading.Thread):
 
 
 def main():
+    # a hung check fails the run (with every thread's stack) instead of hanging it
+    faulthandler.dump_traceback_later(float(os.environ.get("PI0_SERVER_TEST_TIMEOUT_S", "1800")), exit=True)
     if not os.path.exists(BIN):
         print(f"server_test: no {BIN} (set PI0_BIN)")
         print("0 passed, 1 failed")
@@ -665,6 +671,26 @@ def run(workdir, servers):
 
     check("clients vanishing mid-frame and mid-request", t_vanishing)
 
+    def t_huge_prompt():
+        # a 16 MiB prompt: only max_token_len tokens are kept, so only about that much is tokenized, and not
+        # on the model's thread: the request is answered quickly and the good client does not stall
+        big = dict(obs)
+        big["prompt"] = ("pick up the bowl " * 1000000)[:(16 << 20) - 1]  # just under the tokenizer's 16 MiB limit
+        good.max_ms = 0.0
+        t = time.monotonic()
+        c = WebsocketClientPolicy(srv.uri)
+        reply = c.infer(big)
+        took = time.monotonic() - t
+        c._ws.close()
+        limit = 10 if SANITIZED else 2
+        assert reply["actions"].shape == ref["libero"].shape, reply["actions"].shape
+        assert took < limit, f"a 16 MiB prompt took {took:.1f} s"
+        assert good.max_ms < limit * 1e3, f"the good client waited {good.max_ms:.0f} ms meanwhile"
+        return f"answered in {took:.2f} s (prepare {reply['server_timing']['prepare_ms']:.0f} ms); the good client's " \
+               f"slowest answer meanwhile {good.max_ms:.0f} ms"
+
+    check("a 16 MiB prompt: bounded work, off the model's thread", t_huge_prompt)
+
     def t_good_client():
         n = good.finish()
         assert srv.alive(), "the server died"
@@ -885,16 +911,17 @@ def run(workdir, servers):
 
     def t_vanished_requests():
         # 24 clients connect, each sends a 6 MB observation, then all hang up before their answers: the queue
-        # budget (64 MB) refuses those past it, and the accepted ones still waiting are dropped before they run
+        # budget (64 MB) refuses those past it, and the accepted ones, which wait for their batch to fill (a 1 s
+        # window, as long as an idle client is connected: two are), are dropped before they run
         vsrv = Server(workdir, checkpoint, "libero", "--seed", str(SEED), "--max-queue-mb", "64", "--prep-threads", "1",
-                      name="vanish")
+                      "--max-batch", "64", "--batch-wait-ms", "1000", name="vanish")
         servers.append(vsrv)
         rng = np.random.default_rng(3)
         big = dict(obs)
         big["observation/image"] = rng.integers(0, 256, (1000, 1000, 3), dtype=np.uint8)
         big["observation/wrist_image"] = rng.integers(0, 256, (1000, 1000, 3), dtype=np.uint8)
         data = msgpack_numpy.packb(big)
-        clients = []
+        clients, idle = [], [RawWs(vsrv.port), RawWs(vsrv.port)]
         for _ in range(24):
             ws = RawWs(vsrv.port)
             ws.recv_message()
@@ -906,6 +933,9 @@ def run(workdir, servers):
         time.sleep(0.05)  # the server has read them (a reset would discard what it has not), not answered them
         for ws in clients:
             ws.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            ws.close()
+        time.sleep(0.2)  # the server sees them go before the idle clients leave and the batch stops waiting
+        for ws in idle:
             ws.close()
         c = WebsocketClientPolicy(vsrv.uri)
         check_actions(c.infer(obs), ref["libero"])

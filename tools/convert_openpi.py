@@ -21,6 +21,7 @@ Exit status: 0 done, 1 failed (one line on stderr says why), 2 bad command line.
 The orbax format is read with tensorstore (Google's library behind orbax itself), not by hand.
 """
 import argparse
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -550,9 +551,10 @@ def new_digest():
 BLOCK = 1 << 24  # elements converted, checked and hashed at a time: bounds the temporaries of a 2 GB tensor
 
 
-def write_tensor(f, x, dtype, what):
-    """Writes `x` (float32, C order) at the file position in `dtype`; returns the digest of the bytes the
-    file must hold: `x` itself, or for bf16 the round-to-nearest-even of `x` computed independently."""
+def write_tensor(fd, offset, x, dtype, what):
+    """Writes `x` (float32, C order) at `offset` of the file in `dtype` (os.pwrite: threads write side by side);
+    returns the digest of the bytes the file must hold: `x` itself, or for bf16 the round-to-nearest-even of `x`
+    computed independently."""
     expected = new_digest()
     flat = x.reshape(-1)
     for start in range(0, flat.size, BLOCK):
@@ -565,27 +567,43 @@ def write_tensor(f, x, dtype, what):
         else:
             data = block.astype(ml_dtypes.bfloat16).view(np.uint16)
             expected.update(bf16_bits(block))
-        f.write(memoryview(data).cast("B"))
+        view = memoryview(data).cast("B")
+        while len(view):
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
     return expected.digest()
 
 
 def write_model(path, params, leaves, dtype, progress):
-    """Streams every tensor into `path`; returns the digest of each tensor's expected bytes for the read-back."""
+    """Streams every tensor into `path`; returns the digest of each tensor's expected bytes for the read-back.
+    Threads (numpy, hashlib and the file writes release the GIL) convert a param's tensors side by side while
+    the next param is read: the largest param and the one after it are in memory at once."""
     tensors = [t for p in params for t in p.tensors]
     head, header = safetensors_layout(tensors, dtype)
     expected = {}
-    with open(path, "wb") as f:
-        f.write(head)
-        for p in params:
-            w = load_param(p, leaves)
-            for t in p.tensors:
-                x = np.ascontiguousarray(t.cut(w), dtype=np.float32)
-                assert x.shape == t.shape, (t.name, x.shape, t.shape)
-                f.seek(len(head) + header[t.name]["data_offsets"][0])
-                expected[t.name] = write_tensor(f, x, dtype, f"param {p.key} (tensor {t.name})")
-            progress.advance(leaf_bytes(p, leaves))
-        f.flush()
-        os.fsync(f.fileno())
+    workers = min(16, os.cpu_count() or 1)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, head, 0)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            loading = pool.submit(load_param, params[0], leaves) if params else None
+            for i, p in enumerate(params):
+                w = loading.result()
+                loading = pool.submit(load_param, params[i + 1], leaves) if i + 1 < len(params) else None
+                jobs = {}
+                for t in p.tensors:
+                    x = np.ascontiguousarray(t.cut(w), dtype=np.float32)
+                    assert x.shape == t.shape, (t.name, x.shape, t.shape)
+                    offset = len(head) + header[t.name]["data_offsets"][0]
+                    what = f"param {p.key} (tensor {t.name})"
+                    jobs[t.name] = pool.submit(write_tensor, fd, offset, x, dtype, what)
+                for name, job in jobs.items():
+                    expected[name] = job.result()
+                del w
+                progress.advance(leaf_bytes(p, leaves))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return expected
 
 

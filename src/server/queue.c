@@ -204,14 +204,20 @@ static struct timespec timespec_from_ms(double ms) {
 
 int queue_take(server_queue *q, int max, double wait_ms, server_request **out) {
     pthread_mutex_lock(&q->lock);
-    while (!q->count && !q->closed) pthread_cond_wait(&q->nonempty, &q->lock);
-    if (q->count && q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && wait_ms > 0) {
-        /* The batch window opens when its oldest request was queued: a request that already waited while
-         * the previous batch ran does not wait again. */
-        double deadline = q->head->t_prepared_ms + wait_ms;
-        struct timespec ts = timespec_from_ms(deadline);
-        while (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && pi0_now_ms() < deadline)
-            if (pthread_cond_timedwait(&q->nonempty, &q->lock, &ts)) break; /* ETIMEDOUT */
+    /* until a request is there after the batch window (requests of connections that went during the window
+     * may have been removed meanwhile: then it starts again) or the queue is closed and empty */
+    while (q->count || !q->closed) {
+        while (!q->count && !q->closed) pthread_cond_wait(&q->nonempty, &q->lock);
+        if (!q->count) break;
+        if (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && wait_ms > 0) {
+            /* The batch window opens when its oldest request was queued: a request that already waited while
+             * the previous batch ran does not wait again. */
+            double deadline = q->head->t_prepared_ms + wait_ms;
+            struct timespec ts = timespec_from_ms(deadline);
+            while (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && pi0_now_ms() < deadline)
+                if (pthread_cond_timedwait(&q->nonempty, &q->lock, &ts)) break; /* ETIMEDOUT */
+        }
+        if (q->count) break;
     }
     int n = 0;
     while (q->head && n < max) {
