@@ -423,7 +423,7 @@ TEST(checkpoint_claimed_sizes_are_bounded) {
 }
 
 /* A dims file's head counts are bounded too: heads x head_dim once overflowed int, and a huge q_proj would have
- * been allocated. Each limit is named. A case replaces one block of the pi0_tiny fixture's dims (NULL: kept). */
+ * been allocated. Each limit is named, and so are depths that cannot attend jointly. A case replaces one block of the pi0_tiny fixture's dims (NULL: kept). */
 TEST(dims_file_limits) {
     static const char *vision = "\"vision\": {\"width\": 64, \"depth\": 2, \"mlp_dim\": 128, \"num_heads\": 4}",
                       *llm = "\"llm\": {\"width\": 64, \"depth\": 3, \"mlp_dim\": 160, \"num_heads\": 4, "
@@ -444,6 +444,11 @@ TEST(dims_file_limits) {
          "\"head_dim\": 4096}",
          NULL, "llm.num_heads x head_dim is 4194304, outside the limits 1..262144"},
         {NULL, NULL, NULL, "\"image_size\": 16777216", "image_size is 16777216, outside the limits 1..4096"},
+        /* expert layer l attends to LLM layer l's cache: the CPU backend once read past the cache's layers */
+        {NULL, NULL,
+         "\"expert\": {\"width\": 48, \"depth\": 4, \"mlp_dim\": 96, \"num_heads\": 4, \"num_kv_heads\": 1, "
+         "\"head_dim\": 32}",
+         NULL, "the LLM has 3 layers and the action expert 4"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const char *path = test_path("dims.json");

@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "cuda/denoise.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "model/model.h"
@@ -72,6 +73,7 @@ typedef struct {
     float *qkv_bias, *gate_up_bias; /* Pi0.5: (depth, steps, n): shift . w^T of the QKV and gate|up Linears */
     float *time_emb;       /* Pi0.5: (steps, We) and the time MLP's hidden layer and output, the same size */
     pi0_bf16 *in_scale;    /* Pi0.5: (2 depth, steps, We): bf16(1 + scale) of the layers' norms, for the skinny Linears */
+    pi0_denoise_layer *denoise_layers; /* (steps, depth): the persistent denoise kernel's layer table */
 } step_tables;
 
 /* Scratch of one Gemma stack over `rows` rows: bf16 GEMM inputs and outputs, and Pi0.5's gated branch. */
@@ -97,6 +99,8 @@ typedef struct {
     pi0_bf16 *suffix_bf16; /* the suffix rows rounded to bf16: the skinny Linears' input */
     float *suffix_attn_ws; /* the denoise attention's workspace (pi0_cuda_attention_ws) */
     size_t suffix_attn_ws_bytes;
+    int persistent;        /* the denoise step runs as one persistent kernel (denoise.h) */
+    void *denoise_ws;      /* its workspace (pi0_cuda_denoise_workspace) */
     pi0_bf16 *vit_h, *vit_qkv, *vit_att, *vit_mlp, *cache_k, *cache_v, *time_hidden, *final_h;
     gemma_buffers prefix, suffix_buffers; /* the LLM's over the prefix rows, the expert's over the suffix */
     cudaEvent_t events[4]; /* start, vision done, prefix done, end */
@@ -115,6 +119,7 @@ typedef struct {
     step_tables **tables;   /* [num_tables], one per step count seen */
     int num_tables;
     int use_skinny; /* skinny.h's Linears for blocks of <= SKINNY_MAX_ROWS rows */
+    int use_persistent; /* denoise.h's persistent kernel for the batch-1 denoise steps it supports (opt-in) */
     void **allocations; /* weight buffers, freed at release */
     int num_allocations, max_allocations;
     uint64_t device_bytes, peak_device_bytes;

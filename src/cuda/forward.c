@@ -235,6 +235,23 @@ static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g
     return PI0_OK;
 }
 
+/* Every expert layer of one step in one persistent kernel (denoise.h): what the loop over gemma_block does
+ * for a batch of one, with the layer table of this step (weights and Pi0.5's conditioning). */
+static pi0_status expert_persistent(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, pi0_error *err) {
+    const pi0_stack_dims *d = &m->dims.expert;
+    const gemma_buffers *b = &g->suffix_buffers;
+    pi0_denoise_args a = {.rows = g->suffix_len, .width = d->width, .heads = d->num_heads, .kv_heads = d->num_kv_heads,
+                          .head_dim = d->head_dim, .mlp_dim = d->mlp_dim, .depth = d->depth,
+                          .layers = g->tables->denoise_layers + (size_t)step * d->depth, .x = g->suffix,
+                          .x_bf16 = g->suffix_bf16, .qkv = b->qkv, .att = b->att, .mlp = b->mlp, .cache_k = g->cache_k,
+                          .cache_v = g->cache_v, .cache_layer = cache_layer_elems(m, g), .positions = g->in.suffix_pos,
+                          .cache_rows = g->in.suffix_cache_row, .segment = g->in.suffix_segments,
+                          .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin, .eps = NORM_EPS,
+                          .workspace = g->denoise_ws, .max_keys = g->shape.max_prefix + g->suffix_len};
+    CUDA_TRY(pi0_cuda_denoise_step(&a, s->stream));
+    return PI0_OK;
+}
+
 /* One Euler step: x_t += dt * action_out_proj(final_norm(expert(suffix(x_t, t_k)))[action rows]). */
 static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.expert;
@@ -245,7 +262,8 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
     TRY(suffix_tokens(s, m, g, step, err));
     gemma_rows r = {B * S, B, S, g->in.suffix_pos, g->in.suffix_cache_row, g->in.suffix_segments, g->suffix, g->suffix_bf16,
                     &g->suffix_buffers, g->suffix_attn_ws, g->suffix_attn_ws_bytes};
-    for (int layer = 0; layer < d->depth; layer++) {
+    if (g->persistent) TRY(expert_persistent(s, m, g, step, err));
+    for (int layer = 0; !g->persistent && layer < d->depth; layer++) {
         block_mods mods = pi05 ? layer_mods(m, g, layer, step) : (block_mods){0};
         TRY(gemma_block(s, &w->expert[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer, 0,
                         pi05 ? &mods : NULL, err));
@@ -320,6 +338,32 @@ static pi0_status pi05_step_constants(cuda_state *s, const pi0_model *m, step_ta
     return PI0_OK;
 }
 
+/* The persistent denoise kernel's layer table of every step (denoise.h): the weights, and Pi0.5's conditioning
+ * of that step, at the addresses layer_mods gives the skinny path. */
+static pi0_status denoise_layer_table(cuda_state *s, const pi0_model *m, step_tables *t, pi0_error *err) {
+    const pi0_stack_dims *d = &m->dims.expert;
+    size_t count = (size_t)t->num_steps * d->depth;
+    pi0_denoise_layer *host = calloc(count, sizeof *host);
+    if (!host) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    cuda_graph g = {.shape = {.num_steps = t->num_steps}, .tables = t}; /* what layer_mods reads */
+    for (int step = 0; step < t->num_steps; step++)
+        for (int layer = 0; layer < d->depth; layer++) {
+            const gpu_gemma_layer *l = &s->w.expert[layer];
+            pi0_denoise_layer *e = &host[(size_t)step * d->depth + layer];
+            *e = (pi0_denoise_layer){.qkv_w = l->qkv_w, .o_w = l->o_w, .gate_up_w = l->gate_up_w, .down_w = l->down_w};
+            if (m->dims.kind != PI0_MODEL_PI05) continue;
+            block_mods mods = layer_mods(m, &g, layer, step);
+            e->attn_scale = mods.attn.linear_scale, e->mlp_scale = mods.mlp.linear_scale;
+            e->qkv_bias = mods.attn.linear_bias, e->gate_up_bias = mods.mlp.linear_bias;
+            e->attn_gate = mods.attn.gate, e->mlp_gate = mods.mlp.gate;
+        }
+    cudaError_t e = cudaMemcpyAsync(t->denoise_layers, host, count * sizeof *host, cudaMemcpyHostToDevice, s->stream);
+    if (!e) e = cudaStreamSynchronize(s->stream); /* the host table is freed below */
+    free(host);
+    if (e) return pi0_fail(err, PI0_ERR_BACKEND, "uploading the denoise layer table: %s", cudaGetErrorString(e));
+    return PI0_OK;
+}
+
 pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, step_tables *t, pi0_error *err) {
     const pi0_dims *d = &m->dims;
     int We = d->expert.width, A = d->action_dim, steps = t->num_steps;
@@ -344,6 +388,7 @@ pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, step_tables *t
     if (!st && !e && d->kind == PI0_MODEL_PI0) e = cudaStreamSynchronize(s->stream); /* the host tables are freed below */
     if (!st && e) st = pi0_fail(err, PI0_ERR_BACKEND, "uploading the step tables: %s", cudaGetErrorString(e));
     if (!st && d->kind == PI0_MODEL_PI05) st = pi05_step_constants(s, m, t, per_step_host, err);
+    if (!st) st = denoise_layer_table(s, m, t, err);
     free(times);
     free(per_step_host);
     return st;

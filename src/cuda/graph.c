@@ -18,6 +18,7 @@
 
 #include "cuda/attention.h"
 #include "cuda/backend.h"
+#include "cuda/skinny.h"
 #include "util/error.h"
 
 #define ALIGN 256
@@ -67,6 +68,7 @@ static void carve_tables(carver *c, step_tables *t, const pi0_dims *d) {
     const pi0_stack_dims *e = &d->expert;
     size_t steps = (size_t)t->num_steps, We = (size_t)e->width, f = sizeof(float);
     t->out_bias = carve(c, (size_t)d->action_dim * f);
+    t->denoise_layers = carve(c, steps * e->depth * sizeof(pi0_denoise_layer));
     if (d->kind == PI0_MODEL_PI0) {
         t->time_bias = carve(c, steps * We * f);
         return;
@@ -111,6 +113,21 @@ static pi0_status tables_for(cuda_state *s, const pi0_model *m, int steps, const
     return PI0_OK;
 }
 
+/* Whether the denoise step of this graph runs as one persistent kernel (denoise.h): one sample, the skinny
+ * path's weights, and dims the kernel takes. */
+static int denoise_persistent(const cuda_state *s, const cuda_graph *g, const pi0_dims *d) {
+    const pi0_stack_dims *e = &d->expert;
+    return s->use_skinny && s->use_persistent && g->shape.batch == 1 && pi0_cuda_skinny_block_supported(e->width, e->mlp_dim, e->head_dim) &&
+           pi0_cuda_denoise_supported(g->suffix_len, e->width, e->num_heads, e->num_kv_heads, e->head_dim, e->mlp_dim,
+                                      e->depth, g->shape.max_prefix + g->suffix_len);
+}
+
+static size_t denoise_workspace(const cuda_graph *g, const pi0_dims *d) {
+    const pi0_stack_dims *e = &d->expert;
+    return pi0_cuda_denoise_workspace(g->suffix_len, e->num_heads, e->num_kv_heads, e->head_dim,
+                                      g->shape.max_prefix + g->suffix_len);
+}
+
 static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     const graph_shape *sh = &g->shape;
     size_t NP = (size_t)sh->num_images * image_tokens(d), T = (size_t)sh->total_prefix;
@@ -133,6 +150,7 @@ static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     g->suffix_bf16 = carve(c, R * We * bf);
     g->suffix_attn_ws_bytes = pi0_cuda_attention_workspace((int)B, d->expert.num_kv_heads, d->expert.head_dim);
     g->suffix_attn_ws = carve(c, g->suffix_attn_ws_bytes);
+    g->denoise_ws = g->persistent ? carve(c, denoise_workspace(g, d)) : NULL;
     g->state_token = carve(c, B * We * f);
     g->action_tokens = carve(c, BH * We * f);
     carve_gemma(c, &g->suffix_buffers, R, &d->expert);
@@ -189,6 +207,7 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
     if (!g) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     g->shape = *shape;
     g->suffix_len = shape->horizon + (d->kind == PI0_MODEL_PI0);
+    g->persistent = denoise_persistent(s, g, d);
     carver inputs = {0}, all = {0};
     carve_inputs(&inputs, &g->in, shape, g->suffix_len, d);
     size_t actions_bytes = (size_t)shape->batch * shape->horizon * d->action_dim * sizeof(float);
@@ -356,6 +375,9 @@ static pi0_status cuda_init(pi0_model *m, pi0_error *err) {
     m->backend_state = s;
     const char *skinny_env = getenv("PI0_SKINNY"); /* PI0_SKINNY=0: cuBLASLt for every row count (A/B runs) */
     s->use_skinny = !(skinny_env && !strcmp(skinny_env, "0"));
+    /* PI0_PERSISTENT=1: the persistent denoise kernel, opt-in while it is slower than the skinny kernels (NOTES.md) */
+    const char *persistent_env = getenv("PI0_PERSISTENT");
+    s->use_persistent = persistent_env && !strcmp(persistent_env, "1");
     const char *max_env = getenv("PI0_CUDA_MAX_GRAPHS");
     s->max_graphs = max_env && atoi(max_env) > 0 ? atoi(max_env) : MAX_GRAPHS;
     pi0_status st = PI0_OK;

@@ -321,6 +321,9 @@ pi0_status dims_validate(const pi0_dims *d, pi0_error *err) {
         d->llm.head_dim != d->expert.head_dim)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT,
                         "the LLM and the action expert must share heads, kv heads and head_dim (joint attention)");
+    if (d->llm.depth != d->expert.depth) /* expert layer l attends to LLM layer l's K/V */
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the LLM has %d layers and the action expert %d: joint attention "
+                        "needs one expert layer per LLM layer", d->llm.depth, d->expert.depth);
     if (d->llm.head_dim % 2) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "head_dim must be even for RoPE");
     if (d->image_size % d->patch_size)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "image_size %d must be a multiple of patch_size %d",
