@@ -105,10 +105,6 @@ struct AttnParams {
 
 extern __shared__ __align__(16) unsigned char attn_smem[];
 
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
 /* One 16-byte chunk (8 bf16) global -> shared; zeros when !valid (src is then never read). */
 __device__ __forceinline__ void copy_chunk(uint16_t *dst, const uint16_t *src, bool valid, bool vec) {
     if (vec) {
@@ -142,24 +138,6 @@ __device__ __forceinline__ void zero_pad_columns(uint16_t *s, int rows, int chun
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ void ldsm_x2_trans(uint32_t r[2], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1])
-                 : "r"(addr)
-                 : "memory");
-}
 
 /* S = Q K^T over KEYS keys (a multiple of 16) for one warp's 16 rows: Q and K from shared memory
  * through ldmatrix at q_addr (this lane's A address) and k_addr (its B address, rows = keys). */

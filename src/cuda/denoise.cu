@@ -135,21 +135,21 @@ constexpr int kChunks = kWarpK / 32;
 
 /* ---- memory operations ---------------------------------------------------------------------------- */
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
 /* The math warps' own barrier (the producer warp runs on its own). */
 __device__ __forceinline__ void math_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory"); }
 
 __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
@@ -157,7 +157,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
     do {
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done)
-                     : "r"(smem_u32(bar)), "r"(parity)
+                     : "r"(smem_addr(bar)), "r"(parity)
                      : "memory");
     } while (!done);
 }
@@ -165,8 +165,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
 /* bytes (a multiple of 16) from global src to shared dst, counted on bar. */
 __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
                  : "memory");
 }
 
@@ -174,21 +174,7 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
 __device__ __forceinline__ uint4 load_l2(const uint16_t *p) { return __ldcg(reinterpret_cast<const uint4 *>(p)); }
 
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 }
 
@@ -306,22 +292,6 @@ __device__ void ring_produce(const Params &p, const Ring &r) {
 }
 
 /* ---- the Linear phases ------------------------------------------------------------------------------ */
-
-__device__ __forceinline__ float sum_squares(uint4 v) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) s += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
-    return s;
-}
-
-__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t v, uint32_t s) {
-    return pack_bf16(bf16_lo(v) * bf16_lo(s), bf16_hi(v) * bf16_hi(s));
-}
-
-__device__ __forceinline__ uint4 mul_bf16x8(uint4 v, uint4 s) {
-    return make_uint4(mul_bf16x2(v.x, s.x), mul_bf16x2(v.y, s.y), mul_bf16x2(v.z, s.z), mul_bf16x2(v.w, s.w));
-}
 
 /* Row `row`'s column `col` of the group's product: the warps' partials in warp order. */
 __device__ __forceinline__ float column_total(const float *part, int row, int col) {
@@ -511,8 +481,8 @@ __device__ void attention_phase(const Params &p, int layer, unsigned char *scrat
     uint16_t *sK = reinterpret_cast<uint16_t *>(scratch), *sV = sK + kKeys * LDS;
     const uint16_t *kcache = p.cache_k + (size_t)layer * p.cache_layer, *vcache = p.cache_v + (size_t)layer * p.cache_layer;
     const int lrow = lane & 7, lsel1 = (lane >> 3) & 1, lsel2 = lane >> 4;
-    const uint32_t k_addr = smem_u32(sK + (lrow + lsel2 * 8) * LDS + lsel1 * 8);
-    const uint32_t v_addr = smem_u32(sV + (lrow + lsel1 * 8) * LDS + lsel2 * 8);
+    const uint32_t k_addr = smem_addr(sK + (lrow + lsel2 * 8) * LDS + lsel1 * 8);
+    const uint32_t v_addr = smem_addr(sV + (lrow + lsel1 * 8) * LDS + lsel2 * 8);
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         const int kvh = u / chunks, chunk = u % chunks, key0 = chunk * kKeys;
         for (int i = tid; i < 2 * kKeys * (HD / 8); i += kThreads) {

@@ -1,6 +1,6 @@
 /*
- * device.cuh - device helpers shared by the CUDA backend's kernels: bf16 packing, the tensor-core
- * product they all use, the tanh GELU, and programmatic dependent launch.
+ * device.cuh - device helpers shared by the CUDA backend's kernels: bf16 packing and arithmetic, the tensor-core
+ * product they all use with its shared-memory loads (ldmatrix), the tanh GELU, and programmatic dependent launch.
  */
 #ifndef PI0_CUDA_DEVICE_CUH
 #define PI0_CUDA_DEVICE_CUH
@@ -28,6 +28,49 @@ static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 /* The two bf16 of a packed pair as floats (exact). */
 static __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 static __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+/* The sum of squares of 8 packed bf16 (an RMSNorm's statistics from the values a product reads). */
+static __device__ __forceinline__ float sum_squares(uint4 v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) s += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
+    return s;
+}
+
+/* The 8 bf16 values of v times the 8 bf16 values of s, rounded back to bf16 (Pi0.5's adaptive norm scale). */
+static __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t v, uint32_t s) {
+    return pack_bf16(bf16_lo(v) * bf16_lo(s), bf16_hi(v) * bf16_hi(s));
+}
+
+static __device__ __forceinline__ uint4 mul_bf16x8(uint4 v, uint4 s) {
+    return make_uint4(mul_bf16x2(v.x, s.x), mul_bf16x2(v.y, s.y), mul_bf16x2(v.z, s.z), mul_bf16x2(v.w, s.w));
+}
+
+/* A shared-memory address as the PTX instructions below take it. */
+static __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* ldmatrix: four (two) 8x8 bf16 tiles from shared memory, each lane giving one row address; .trans transposes. */
+static __device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void ldsm_x2_trans(uint32_t r[2], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr)
+                 : "memory");
+}
 
 static __device__ __forceinline__ float gelu_tanh(float x) {
     const float sqrt_2_over_pi = 0.7978845608028654f;

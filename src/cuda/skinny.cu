@@ -67,23 +67,6 @@ __device__ __forceinline__ uint4 load_stream(const uint16_t *p) {
     return r;
 }
 
-__device__ __forceinline__ float sum_squares(uint4 v) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) s += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
-    return s;
-}
-
-/* The 8 bf16 values of v times the 8 bf16 values of s, rounded back to bf16 (Pi0.5's adaptive norm scale). */
-__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t v, uint32_t s) {
-    return pack_bf16(bf16_lo(v) * bf16_lo(s), bf16_hi(v) * bf16_hi(s));
-}
-
-__device__ __forceinline__ uint4 mul_bf16x8(uint4 v, uint4 s) {
-    return make_uint4(mul_bf16x2(v.x, s.x), mul_bf16x2(v.y, s.y), mul_bf16x2(v.z, s.z), mul_bf16x2(v.w, s.w));
-}
-
 /* The bias of output column n (0 without one). */
 __device__ __forceinline__ float col_bias(const SkinnyParams &p, int n) { return p.col_bias ? p.col_bias[n] : 0.f; }
 
