@@ -36,18 +36,19 @@
  * which combines the chunks in chunk order and writes the row in bf16.
  *
  * Synchronization. Activations written in one phase are read in the next by other blocks: the grid barrier
- * is cooperative groups' pattern (a block barrier, a device fence and an atomic add by one thread, a spin
- * on the counter, a fence, a block barrier), and what other blocks wrote is read through L2 (ld.global.cg,
+ * is CUTLASS's pattern (a block barrier, a release add on a global counter by one thread, its acquire spin,
+ * a block barrier), and what other blocks wrote is read through L2 (ld.global.cg,
  * cp.async.cg), never through the incoherent L1 or the read-only path. The host zeroes the counter before
  * each launch (a memset node in the graph).
  *
- * Outcome so far (H200, bench/NOTES.md session 7): correct and deterministic, but a layer takes ~40 us against
- * the skinny kernels' ~32: every phase is a chain of dependent round trips (barrier, x from L2, the epilogue's
- * loads and stores) of 4-8 us, and the attention phase (17 busy blocks) ~8 us. Opt-in (PI0_PERSISTENT=1).
+ * Outcome so far (H200, bench/NOTES.md session 7): correct and deterministic, but a layer takes ~37 us against
+ * the skinny kernels' ~32: every phase is a chain of dependent round trips (barrier, x from L2, the math, the
+ * stores) of 4-8 us, and the attention phase (17 busy blocks) ~8 us. Opt-in (PI0_PERSISTENT=1).
  */
 #include <cuda_bf16.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cuda/denoise.h"
 #include "cuda/device.cuh"
@@ -60,6 +61,8 @@ constexpr int kPiece = 1024;                 /* k of one ring slot */
 constexpr int kRowBytes = 2 * kPiece + 64;   /* a slot's row stride: +64 bytes puts rows g and g + 1 on other banks */
 constexpr int kSlotBytes = 8 * kRowBytes;    /* 8 weight rows (one n8 tile) x kPiece */
 constexpr int kMaxSlots = 32;
+constexpr int kMinSlots = 2;                 /* the producer refills a slot as soon as every math warp is done with it */
+constexpr int kDefaultSlots = 4;
 constexpr int kMaxTiles = 8;                 /* n8 tiles accumulated at once: the slots one piece round needs */
 constexpr int kTileCols = 8 * kMaxTiles;
 constexpr int kKeys = 32;                    /* keys per attention chunk */
@@ -70,6 +73,8 @@ constexpr int kMaxChunks = kMaxKeys / kKeys;
 constexpr int kBarrierBytes = 2 * kMaxSlots * 8; /* a full and an empty mbarrier per slot */
 constexpr int kMaxDepth = 64;                /* layers whose table is kept in shared memory */
 constexpr int kMaxBlockTiles = 32;           /* n8 tiles of one Linear a block may own */
+constexpr int kMaxRopeUnits = 8;             /* QKV units (tile pairs) a block may own: their RoPE factors stay resident */
+constexpr int kMaxOwnTiles = 8;              /* o_proj / down tiles a block may own: their residual columns stay resident */
 constexpr int kMaxDevices = 64;
 
 enum { LIN_QKV, LIN_O, LIN_GATE_UP, LIN_DOWN, NUM_LINEAR };
@@ -81,8 +86,17 @@ struct Plan {
     int col[NUM_LINEAR][kMaxBlockTiles]; /* the first column (weight row) of each of the block's tiles */
 };
 
+/* What the epilogues read again and again, kept in shared memory for the whole kernel: the rows' positions and
+ * cache rows, the RoPE factors of the block's QKV columns, and the residual stream's columns the block owns
+ * (o_proj and down have the same columns, so the same block updates them every time). */
+struct Resident {
+    int positions[kMaxRows], cache_rows[kMaxRows];
+    float2 rope[kMaxRows][kMaxRopeUnits][8]; /* (cos, sin) at the row's position, column i0 + c of the unit */
+    float own[kMaxRows][kMaxOwnTiles * 8];
+};
+
 __host__ __device__ constexpr int layer_table_bytes(int depth) {
-    return (int)((depth * sizeof(pi0_denoise_layer) + sizeof(Plan) + 127) / 128 * 128);
+    return (int)((depth * sizeof(pi0_denoise_layer) + sizeof(Plan) + sizeof(Resident) + 127) / 128 * 128);
 }
 
 struct Params {
@@ -178,13 +192,12 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool vali
                  : "memory");
 }
 
-/* Waits until every block has arrived `epoch` times: cooperative groups' grid barrier, with the spin an
- * acquire load (the writes released by the others' fences are then visible to this block). */
+/* Waits until every block has arrived `epoch` times (CUTLASS's grid barrier): a block barrier, a release add by
+ * one thread, its acquire spin, a block barrier; what the others wrote before their release is then visible. */
 __device__ __forceinline__ void grid_sync(unsigned *counter, unsigned epoch) {
     math_sync();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(counter, 1u);
+    if (threadIdx.x == 0) { /* release: the block's writes (ordered before by the block barrier) come first */
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counter) : "memory");
         const unsigned target = epoch * gridDim.x;
         unsigned seen;
         do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
@@ -234,6 +247,22 @@ __device__ void plan_init(const Params &p, Plan *plan) {
         plan->col[i / kMaxBlockTiles][i % kMaxBlockTiles] = tile_first_col(p, i / kMaxBlockTiles, i % kMaxBlockTiles);
 }
 
+/* Fills the Resident block (after plan_init and a block barrier). */
+__device__ void resident_init(const Params &p, const Plan &plan, Resident *res) {
+    const int half = p.head_dim / 2, units = plan.tiles[LIN_QKV] / 2;
+    for (int i = threadIdx.x; i < p.m * units * 8; i += blockDim.x) {
+        const int m = i / (units * 8), u = i / 8 % units, c = i % 8, col = plan.col[LIN_QKV][2 * u] + c;
+        if (col / p.head_dim >= p.heads + p.kv_heads) continue; /* v: no rotation */
+        const size_t at = (size_t)__ldg(p.positions + m) * half + col % p.head_dim;
+        res->rope[m][u][c] = make_float2(__ldg(p.rope_cos + at), __ldg(p.rope_sin + at));
+    }
+    for (int i = threadIdx.x; i < p.m * plan.tiles[LIN_O] * 8; i += blockDim.x) {
+        const int m = i / (plan.tiles[LIN_O] * 8), j = i % (plan.tiles[LIN_O] * 8);
+        res->own[m][j] = p.x[(size_t)m * p.width + plan.col[LIN_O][j / 8] + j % 8];
+    }
+    for (int m = threadIdx.x; m < p.m; m += blockDim.x) res->positions[m] = p.positions[m], res->cache_rows[m] = p.cache_rows[m];
+}
+
 /* A position in the sequence of (layer, Linear, tile group, piece, tile) the block consumes, which the ring's
  * producer walks ahead of the math. */
 struct Cursor {
@@ -264,6 +293,7 @@ __device__ __forceinline__ const uint16_t *weights_of(const pi0_denoise_layer &l
 struct Ring {
     const pi0_denoise_layer *layers; /* the layer table, copied to shared memory */
     const Plan *plan;
+    Resident *res;
     uint64_t *full, *empty;          /* per slot: its copies landed; every math warp is done with it */
     unsigned char *slots;
     unsigned consumed;               /* entries the math has taken, counted from the start of the kernel */
@@ -313,15 +343,16 @@ __device__ __forceinline__ float bias_of(const Linear &L, int n) { return L.bias
 
 /* Rotates the pair (lo, hi) = columns (i, i + head_dim / 2) of `head` in row m (q, k) and stores it: q to
  * the qkv rows, k and v to the row's cache row (skinny.cu's store_rope). */
-__device__ __forceinline__ void store_rope(const Params &p, int layer, int m, int head, int i, float lo, float hi) {
+__device__ __forceinline__ void store_rope(const Params &p, const Resident &res, int layer, int m, int unit, int c,
+                                           int head, int i, float lo, float hi) {
     const int hd = p.head_dim, half = hd / 2, kv_dim = p.kv_heads * hd, qkv_dim = (p.heads + 2 * p.kv_heads) * hd;
-    const size_t cache = (size_t)layer * p.cache_layer + (size_t)p.cache_rows[m] * kv_dim;
+    const size_t cache = (size_t)layer * p.cache_layer + (size_t)res.cache_rows[m] * kv_dim;
     uint16_t *dst;
     if (head < p.heads + p.kv_heads) {
-        const size_t at = (size_t)p.positions[m] * half + i;
-        const float c = __ldg(p.rope_cos + at), s = __ldg(p.rope_sin + at), x1 = lo, x2 = hi;
-        lo = x1 * c - x2 * s;
-        hi = x2 * c + x1 * s;
+        const float2 cs = res.rope[m][unit][c];
+        const float x1 = lo, x2 = hi;
+        lo = x1 * cs.x - x2 * cs.y;
+        hi = x2 * cs.x + x1 * cs.y;
         dst = head < p.heads ? p.qkv + (size_t)m * qkv_dim + (size_t)head * hd
                              : p.cache_k + cache + (size_t)(head - p.heads) * hd;
     } else {
@@ -332,8 +363,9 @@ __device__ __forceinline__ void store_rope(const Params &p, int layer, int m, in
 }
 
 /* The epilogue of a group of `count` tiles starting at the block's tile `first`. */
-__device__ void linear_epilogue(const Params &p, int layer, int which, const Linear &L, const pi0_denoise_layer &l,
-                                const int *cols, const float *part, const float *ss, int first, int count) {
+__device__ void linear_epilogue(const Params &p, Resident *res, int layer, int which, const Linear &L,
+                                const pi0_denoise_layer &l, const int *cols, const float *part, const float *ss, int first,
+                                int count) {
     const int tid = threadIdx.x;
     if (which == LIN_QKV) { /* tiles 2u, 2u + 1: columns i0 .. i0 + 7 of both halves of a head */
         const int per_row = count / 2 * 8;
@@ -341,7 +373,7 @@ __device__ void linear_epilogue(const Params &p, int layer, int which, const Lin
             const int row = e / per_row, u = e % per_row / 8, c = e % 8;
             const int col_lo = cols[first + 2 * u] + c, col_hi = col_lo + p.head_dim / 2;
             const float f = row_factor(L, ss, p.eps, row);
-            store_rope(p, layer, row, col_lo / p.head_dim, col_lo % p.head_dim,
+            store_rope(p, *res, layer, row, first / 2 + u, c, col_lo / p.head_dim, col_lo % p.head_dim,
                        column_total(part, row, 16 * u + c) * f + bias_of(L, col_lo),
                        column_total(part, row, 16 * u + 8 + c) * f + bias_of(L, col_hi));
         }
@@ -363,7 +395,9 @@ __device__ void linear_epilogue(const Params &p, int layer, int which, const Lin
             const int n = cols[first + t] + c;
             const float v = column_total(part, row, 8 * t + c);
             const size_t i = (size_t)row * p.width + n;
-            const float r = __ldcg(p.x + i) + (gate ? __ldg(gate + n) * v : v);
+            float *own = &res->own[row][(first + t) * 8 + c];
+            const float r = *own + (gate ? __ldg(gate + n) * v : v);
+            *own = r;
             p.x[i] = r;
             p.xb[i] = to_bf16(r);
         }
@@ -461,7 +495,7 @@ __device__ void linear_phase(const Params &p, int layer, int which, Ring *ring, 
             if (t == 0) ss[warp * 16 + g] = ss0, ss[warp * 16 + g + 8] = ss1;
         }
         math_sync();
-        linear_epilogue(p, layer, which, L, l, ring->plan->col[which], part, ss, group, count);
+        linear_epilogue(p, ring->res, layer, which, L, l, ring->plan->col[which], part, ss, group, count);
         math_sync(); /* the scratch is free again */
     }
 }
@@ -647,7 +681,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) denoise_kernel(Params p) {
     Ring ring;
     pi0_denoise_layer *layers = reinterpret_cast<pi0_denoise_layer *>(smem + kBarrierBytes);
     Plan *plan = reinterpret_cast<Plan *>(layers + p.depth);
-    ring.layers = layers, ring.plan = plan;
+    Resident *res = reinterpret_cast<Resident *>(plan + 1);
+    ring.layers = layers, ring.plan = plan, ring.res = res;
     ring.full = reinterpret_cast<uint64_t *>(smem), ring.empty = ring.full + kMaxSlots;
     ring.slots = smem + kBarrierBytes + layer_table_bytes(p.depth);
     ring.consumed = 0;
@@ -658,6 +693,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) denoise_kernel(Params p) {
     }
     for (int i = threadIdx.x; i < p.depth; i += kBlockThreads) layers[i] = p.layers[i];
     plan_init(p, plan);
+    __syncthreads();
+    resident_init(p, *plan, res);
     __syncthreads(); /* the last barrier of all 9 warps: from here the producer warp goes its own way */
     if (threadIdx.x >= kThreads) {
         ring_produce(p, ring);
@@ -722,7 +759,19 @@ int ring_slots(const DeviceInfo &d, int head_dim, int depth) {
     const long long room =
         (long long)d.smem_optin - kBarrierBytes - layer_table_bytes(depth) - (long long)scratch_bytes(head_dim);
     const long long slots = room / kSlotBytes;
-    return slots < kMaxTiles ? 0 : slots > kMaxSlots ? kMaxSlots : (int)slots;
+    return slots < kMinSlots ? 0 : slots > kMaxSlots ? kMaxSlots : (int)slots;
+}
+
+/* The slots a launch uses: kDefaultSlots, or PI0_PERSISTENT_SLOTS=n, at most what fits. How far the weight stream
+ * runs ahead of the math is also how much memory traffic every other load queues behind: on an H200, 4 slots
+ * (~8.9 MB in flight over the GPU) beat 11 by ~0.15 ms a call and 2 lose ~0.2 (bench/RESULTS.md, session 7). */
+int slots_in_use(int fit) {
+    static int cap = -1;
+    if (cap < 0) {
+        const char *env = getenv("PI0_PERSISTENT_SLOTS");
+        cap = env && atoi(env) >= kMinSlots ? atoi(env) : kDefaultSlots;
+    }
+    return fit < cap ? fit : cap;
 }
 
 template <int HD>
@@ -757,6 +806,8 @@ extern "C" int pi0_cuda_denoise_supported(int rows, int width, int heads, int kv
     const int q_dim = heads * head_dim, n[NUM_LINEAR] = {q_dim + 2 * kv_heads * head_dim, width, 2 * mlp_dim, width};
     for (int w = 0; w < NUM_LINEAR; w++) /* block 0 owns the most tiles */
         if (block_tiles(w, n[w], 0, d.sms) > kMaxBlockTiles) return 0;
+    if (block_tiles(LIN_QKV, n[LIN_QKV], 0, d.sms) / 2 > kMaxRopeUnits || block_tiles(LIN_O, width, 0, d.sms) > kMaxOwnTiles)
+        return 0;
     return ring_slots(d, head_dim, depth) > 0;
 }
 
@@ -788,7 +839,7 @@ extern "C" cudaError_t pi0_cuda_denoise_step(const pi0_denoise_args *a, cudaStre
     p.rope_cos = a->rope_cos, p.rope_sin = a->rope_sin;
     p.eps = a->eps, p.scale_log2 = 1.4426950408889634f / sqrtf((float)a->head_dim);
     p.partials = (float *)ws, p.max_sum = (float2 *)(ws + partials), p.sync = (unsigned *)(ws + partials + max_sum);
-    p.slots = ring_slots(d, a->head_dim, a->depth), p.max_chunks = (int)chunks;
+    p.slots = slots_in_use(ring_slots(d, a->head_dim, a->depth)), p.max_chunks = (int)chunks;
     cudaError_t e = cudaMemsetAsync(p.sync, 0, sizeof(unsigned), stream);
     if (e != cudaSuccess) return e;
     switch (a->head_dim) {

@@ -10,8 +10,8 @@
  * the backend's (RMSNorm weight folded, gate|up interleaved, skinny.h). Numerics are those of skinny.h and
  * attention.h's few-queries kernels: bf16 operands, float32 accumulation, deterministic order.
  *
- * Status: correct (tests/gpu/test_cuda_denoise.c) but slower than the skinny kernels on an H200 (7.2 against
- * 5.7 ms for the seed workload's 10 steps, bench/NOTES.md "Session 7"), so the backend runs it only with
+ * Status: correct (tests/gpu/test_cuda_denoise.c) but slower than the skinny kernels on an H200 (6.75 against
+ * 5.74 ms for the seed workload's 10 steps, bench/NOTES.md "Session 7"), so the backend runs it only with
  * PI0_PERSISTENT=1 in the environment.
  */
 #ifndef PI0_CUDA_DENOISE_H
