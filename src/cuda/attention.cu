@@ -422,15 +422,7 @@ __global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(A
                 o[t][2] *= alpha1;
                 o[t][3] *= alpha1;
             }
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-                s[n][0] = exp2f(s[n][0] - base0);
-                s[n][1] = exp2f(s[n][1] - base0);
-                s[n][2] = exp2f(s[n][2] - base1);
-                s[n][3] = exp2f(s[n][3] - base1);
-                l0 += s[n][0] + s[n][1];
-                l1 += s[n][2] + s[n][3];
-            }
+            exp_scores(s, base0, base1, l0, l1);
         }
 
         cp_async_wait_all(); /* V(j) landed for this thread ... */
@@ -721,20 +713,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
             float s[4][4];
             compute_scores<HD, kDecodeKeys>(s, q_addr, k_addr);
             float mx0 = m0, mx1 = m1;
-#pragma unroll
-            for (int n = 0; n < 4; n++) {
-                const int key = key0 + n * 8 + quad_col * 2;
-                s[n][0] = key < vis0 ? s[n][0] * p.scale_log2 : -INFINITY;
-                s[n][1] = key + 1 < vis0 ? s[n][1] * p.scale_log2 : -INFINITY;
-                s[n][2] = key < vis1 ? s[n][2] * p.scale_log2 : -INFINITY;
-                s[n][3] = key + 1 < vis1 ? s[n][3] * p.scale_log2 : -INFINITY;
-                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-            }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            mask_scores(s, key0, quad_col, vis0, vis1, p.scale_log2, mx0, mx1);
             /* rows with every key so far masked keep mx = -inf: exp2(-inf - 0) = 0, no NaN */
             const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
             const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
@@ -744,13 +723,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
                 o[t][0] *= alpha0, o[t][1] *= alpha0;
                 o[t][2] *= alpha1, o[t][3] *= alpha1;
             }
-#pragma unroll
-            for (int n = 0; n < 4; n++) {
-                s[n][0] = exp2f(s[n][0] - base0), s[n][1] = exp2f(s[n][1] - base0);
-                s[n][2] = exp2f(s[n][2] - base1), s[n][3] = exp2f(s[n][3] - base1);
-                l0 += s[n][0] + s[n][1];
-                l1 += s[n][2] + s[n][3];
-            }
+            exp_scores(s, base0, base1, l0, l1);
             accumulate_pv<HD, kDecodeKeys>(o, s, v_addr);
         }
         __syncthreads(); /* every warp is done with this chunk's K and V */

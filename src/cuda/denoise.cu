@@ -41,7 +41,7 @@
  * cp.async.cg), never through the incoherent L1 or the read-only path. The host zeroes the counter before
  * each launch (a memset node in the graph).
  *
- * Outcome so far (H200, bench/NOTES.md session 7): correct and deterministic, but a layer takes ~37 us against
+ * Outcome so far (H200, bench/NOTES.md session 7): correct and deterministic, but a layer takes ~36 us against
  * the skinny kernels' ~32: every phase is a chain of dependent round trips (barrier, x from L2, the math, the
  * stores) of 4-8 us, and the attention phase (17 busy blocks) ~8 us. Opt-in (PI0_PERSISTENT=1).
  */
@@ -82,7 +82,7 @@ enum { LIN_QKV, LIN_O, LIN_GATE_UP, LIN_DOWN, NUM_LINEAR };
 /* What a block does in each Linear, the same in every layer: computed once at the start, so that the ring's
  * producer and the math look their tiles up instead of recomputing them. */
 struct Plan {
-    int n[NUM_LINEAR], k[NUM_LINEAR], tiles[NUM_LINEAR], pieces[NUM_LINEAR];
+    int k[NUM_LINEAR], tiles[NUM_LINEAR], pieces[NUM_LINEAR];
     int col[NUM_LINEAR][kMaxBlockTiles]; /* the first column (weight row) of each of the block's tiles */
 };
 
@@ -126,6 +126,14 @@ struct Smem {
     static constexpr size_t SCRATCH = LINEAR > ATTENTION ? (LINEAR > MERGE ? LINEAR : MERGE)
                                                          : (ATTENTION > MERGE ? ATTENTION : MERGE);
 };
+
+/* Output columns n and inputs k of Linear `which` of a layer. */
+__host__ __device__ __forceinline__ void linear_dims(int which, int width, int heads, int kv_heads, int head_dim, int mlp,
+                                                     int *n, int *k) {
+    const int q_dim = heads * head_dim;
+    *n = which == LIN_QKV ? q_dim + 2 * kv_heads * head_dim : which == LIN_GATE_UP ? 2 * mlp : width;
+    *k = which == LIN_O ? q_dim : which == LIN_DOWN ? mlp : width;
+}
 
 /* The n8 tiles this block owns in a Linear of n columns: QKV by pairs (a head's 16-column units), the others
  * one by one, both strided by the grid. */
@@ -217,15 +225,13 @@ struct Linear {
 };
 
 __device__ __forceinline__ Linear linear_of(const Params &p, const pi0_denoise_layer &l, int which) {
-    const int q_dim = p.heads * p.head_dim, qkv_dim = q_dim + 2 * p.kv_heads * p.head_dim;
-    switch (which) {
-    case LIN_QKV:
-        return {(const uint16_t *)l.qkv_w, (const uint16_t *)l.attn_scale, l.qkv_bias, qkv_dim, p.width, 1};
-    case LIN_O: return {(const uint16_t *)l.o_w, NULL, NULL, p.width, q_dim, 0};
-    case LIN_GATE_UP:
-        return {(const uint16_t *)l.gate_up_w, (const uint16_t *)l.mlp_scale, l.gate_up_bias, 2 * p.mlp, p.width, 1};
-    default: return {(const uint16_t *)l.down_w, NULL, NULL, p.width, p.mlp, 0};
-    }
+    Linear L;
+    linear_dims(which, p.width, p.heads, p.kv_heads, p.head_dim, p.mlp, &L.n, &L.k);
+    L.rms_norm = which == LIN_QKV || which == LIN_GATE_UP;
+    L.w = (const uint16_t *)(which == LIN_QKV ? l.qkv_w : which == LIN_O ? l.o_w : which == LIN_GATE_UP ? l.gate_up_w : l.down_w);
+    L.scale = (const uint16_t *)(which == LIN_QKV ? l.attn_scale : which == LIN_GATE_UP ? l.mlp_scale : NULL);
+    L.bias = which == LIN_QKV ? l.qkv_bias : which == LIN_GATE_UP ? l.gate_up_bias : NULL;
+    return L;
 }
 
 /* The first column (weight row) of this block's tile j. */
@@ -236,12 +242,12 @@ __device__ __forceinline__ int tile_first_col(const Params &p, int which, int j)
 }
 
 __device__ void plan_init(const Params &p, Plan *plan) {
-    const int q_dim = p.heads * p.head_dim, n[NUM_LINEAR] = {q_dim + 2 * p.kv_heads * p.head_dim, p.width, 2 * p.mlp, p.width};
-    const int k[NUM_LINEAR] = {p.width, q_dim, p.width, p.mlp};
     if (threadIdx.x < NUM_LINEAR) {
         const int w = threadIdx.x;
-        plan->n[w] = n[w], plan->k[w] = k[w], plan->pieces[w] = (k[w] + kPiece - 1) / kPiece;
-        plan->tiles[w] = block_tiles(w, n[w], (int)blockIdx.x, (int)gridDim.x);
+        int n, k;
+        linear_dims(w, p.width, p.heads, p.kv_heads, p.head_dim, p.mlp, &n, &k);
+        plan->k[w] = k, plan->pieces[w] = (k + kPiece - 1) / kPiece;
+        plan->tiles[w] = block_tiles(w, n, (int)blockIdx.x, (int)gridDim.x);
     }
     for (int i = threadIdx.x; i < NUM_LINEAR * kMaxBlockTiles; i += kBlockThreads)
         plan->col[i / kMaxBlockTiles][i % kMaxBlockTiles] = tile_first_col(p, i / kMaxBlockTiles, i % kMaxBlockTiles);
@@ -286,10 +292,6 @@ __device__ __forceinline__ void cursor_next(const Params &p, const Plan &plan, C
     cursor_settle(p, plan, c);
 }
 
-__device__ __forceinline__ const uint16_t *weights_of(const pi0_denoise_layer &l, int which) {
-    return (const uint16_t *)(which == LIN_QKV ? l.qkv_w : which == LIN_O ? l.o_w : which == LIN_GATE_UP ? l.gate_up_w : l.down_w);
-}
-
 struct Ring {
     const pi0_denoise_layer *layers; /* the layer table, copied to shared memory */
     const Plan *plan;
@@ -310,7 +312,7 @@ __device__ void ring_produce(const Params &p, const Ring &r) {
         const unsigned slot = seq % (unsigned)p.slots, round = seq / (unsigned)p.slots;
         if (round > 0) mbar_wait(&r.empty[slot], (round - 1) & 1u);
         const int k = r.plan->k[c.which], col = r.plan->col[c.which][c.group + c.tile], k0 = c.piece * kPiece;
-        const uint16_t *w = weights_of(r.layers[c.layer], c.which);
+        const uint16_t *w = linear_of(p, r.layers[c.layer], c.which).w;
         const uint32_t row_bytes = (uint32_t)min(kPiece, k - k0) * 2;
         if (lane == 0) mbar_expect(&r.full[slot], 8 * row_bytes);
         __syncwarp();
@@ -560,30 +562,11 @@ __device__ void attention_phase(const Params &p, int layer, unsigned char *scrat
             }
             const int vis0 = r0 < G ? state_vis : num_k, vis1 = r1 < G ? state_vis : num_k;
             float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < kKeys / 8; n++) {
-                const int key = key0 + n * 8 + 2 * t;
-                s[n][0] = key < vis0 ? s[n][0] * p.scale_log2 : -INFINITY;
-                s[n][1] = key + 1 < vis0 ? s[n][1] * p.scale_log2 : -INFINITY;
-                s[n][2] = key < vis1 ? s[n][2] * p.scale_log2 : -INFINITY;
-                s[n][3] = key + 1 < vis1 ? s[n][3] * p.scale_log2 : -INFINITY;
-                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-            }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            mask_scores(s, key0, t, vis0, vis1, p.scale_log2, mx0, mx1);
             /* a row that sees no key of this chunk keeps max -inf and sum 0: it weighs 0 in the merge */
             const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
             float l0 = 0.f, l1 = 0.f;
-#pragma unroll
-            for (int n = 0; n < kKeys / 8; n++) {
-                s[n][0] = exp2f(s[n][0] - base0), s[n][1] = exp2f(s[n][1] - base0);
-                s[n][2] = exp2f(s[n][2] - base1), s[n][3] = exp2f(s[n][3] - base1);
-                l0 += s[n][0] + s[n][1];
-                l1 += s[n][2] + s[n][3];
-            }
+            exp_scores(s, base0, base1, l0, l1);
             l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
             l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
             l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -803,20 +786,32 @@ extern "C" int pi0_cuda_denoise_supported(int rows, int width, int heads, int kv
     if (rows <= 0 || rows > kMaxRows || heads <= 0 || kv_heads <= 0 || heads % kv_heads) return 0;
     if (heads / kv_heads * rows > kMaxVirtual || width <= 0 || width % 8 || mlp_dim <= 0 || mlp_dim % 8) return 0;
     if (max_keys <= 0 || max_keys > kMaxKeys || depth <= 0 || depth > kMaxDepth) return 0;
-    const int q_dim = heads * head_dim, n[NUM_LINEAR] = {q_dim + 2 * kv_heads * head_dim, width, 2 * mlp_dim, width};
-    for (int w = 0; w < NUM_LINEAR; w++) /* block 0 owns the most tiles */
-        if (block_tiles(w, n[w], 0, d.sms) > kMaxBlockTiles) return 0;
-    if (block_tiles(LIN_QKV, n[LIN_QKV], 0, d.sms) / 2 > kMaxRopeUnits || block_tiles(LIN_O, width, 0, d.sms) > kMaxOwnTiles)
-        return 0;
+    for (int w = 0; w < NUM_LINEAR; w++) { /* block 0 owns the most tiles */
+        int n, k;
+        linear_dims(w, width, heads, kv_heads, head_dim, mlp_dim, &n, &k);
+        const int tiles = block_tiles(w, n, 0, d.sms);
+        if (tiles > kMaxBlockTiles || (w == LIN_QKV && tiles / 2 > kMaxRopeUnits) || (w == LIN_O && tiles > kMaxOwnTiles))
+            return 0;
+    }
     return ring_slots(d, head_dim, depth) > 0;
 }
 
-extern "C" size_t pi0_cuda_denoise_workspace(int rows, int heads, int kv_heads, int head_dim, int max_keys) {
-    (void)rows, (void)heads;
+/* The workspace: the attention's partial O ([kv head][chunk][virtual row][head_dim] floats), their (max, sum)
+ * pairs, then the grid's counter; each part 256-byte aligned. Fills p's pointers when p is given. */
+static size_t workspace_layout(int kv_heads, int head_dim, int max_keys, void *base, Params *p) {
     const size_t chunks = (size_t)(max_keys + kKeys - 1) / kKeys, units = (size_t)kv_heads * chunks * kMaxVirtual;
     const size_t partials = (units * head_dim * sizeof(float) + 255) / 256 * 256;
     const size_t max_sum = (units * sizeof(float2) + 255) / 256 * 256;
-    return partials + max_sum + 256; /* then the counter */
+    if (p) {
+        char *ws = (char *)base;
+        p->partials = (float *)ws, p->max_sum = (float2 *)(ws + partials), p->sync = (unsigned *)(ws + partials + max_sum);
+        p->max_chunks = (int)chunks;
+    }
+    return partials + max_sum + 256;
+}
+
+extern "C" size_t pi0_cuda_denoise_workspace(int kv_heads, int head_dim, int max_keys) {
+    return workspace_layout(kv_heads, head_dim, max_keys, NULL, NULL);
 }
 
 extern "C" cudaError_t pi0_cuda_denoise_step(const pi0_denoise_args *a, cudaStream_t stream) {
@@ -826,10 +821,6 @@ extern "C" cudaError_t pi0_cuda_denoise_step(const pi0_denoise_args *a, cudaStre
                                     a->max_keys) ||
         !device_info(&d))
         return cudaErrorInvalidValue;
-    const size_t chunks = (size_t)(a->max_keys + kKeys - 1) / kKeys, units = (size_t)a->kv_heads * chunks * kMaxVirtual;
-    char *ws = (char *)a->workspace;
-    const size_t partials = (units * a->head_dim * sizeof(float) + 255) / 256 * 256;
-    const size_t max_sum = (units * sizeof(float2) + 255) / 256 * 256;
     Params p;
     p.m = a->rows, p.width = a->width, p.heads = a->heads, p.kv_heads = a->kv_heads, p.head_dim = a->head_dim;
     p.mlp = a->mlp_dim, p.depth = a->depth, p.layers = a->layers;
@@ -838,8 +829,8 @@ extern "C" cudaError_t pi0_cuda_denoise_step(const pi0_denoise_args *a, cudaStre
     p.positions = a->positions, p.cache_rows = a->cache_rows, p.segment = a->segment;
     p.rope_cos = a->rope_cos, p.rope_sin = a->rope_sin;
     p.eps = a->eps, p.scale_log2 = 1.4426950408889634f / sqrtf((float)a->head_dim);
-    p.partials = (float *)ws, p.max_sum = (float2 *)(ws + partials), p.sync = (unsigned *)(ws + partials + max_sum);
-    p.slots = slots_in_use(ring_slots(d, a->head_dim, a->depth)), p.max_chunks = (int)chunks;
+    workspace_layout(a->kv_heads, a->head_dim, a->max_keys, a->workspace, &p);
+    p.slots = slots_in_use(ring_slots(d, a->head_dim, a->depth));
     cudaError_t e = cudaMemsetAsync(p.sync, 0, sizeof(unsigned), stream);
     if (e != cudaSuccess) return e;
     switch (a->head_dim) {

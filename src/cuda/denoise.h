@@ -10,8 +10,8 @@
  * the backend's (RMSNorm weight folded, gate|up interleaved, skinny.h). Numerics are those of skinny.h and
  * attention.h's few-queries kernels: bf16 operands, float32 accumulation, deterministic order.
  *
- * Status: correct (tests/gpu/test_cuda_denoise.c) but slower than the skinny kernels on an H200 (6.75 against
- * 5.74 ms for the seed workload's 10 steps, bench/NOTES.md "Session 7"), so the backend runs it only with
+ * Status: correct (tests/gpu/test_cuda_denoise.c) but slower than the skinny kernels on an H200 (6.4 against
+ * 5.7 ms for the seed workload's 10 steps, bench/NOTES.md "Session 7"), so the backend runs it only with
  * PI0_PERSISTENT=1 in the environment.
  */
 #ifndef PI0_CUDA_DENOISE_H
@@ -61,7 +61,7 @@ int pi0_cuda_denoise_supported(int rows, int width, int heads, int kv_heads, int
                                int max_keys);
 
 /* Workspace bytes: the attention's float32 partials and the grid's synchronization counter. */
-size_t pi0_cuda_denoise_workspace(int rows, int heads, int kv_heads, int head_dim, int max_keys);
+size_t pi0_cuda_denoise_workspace(int kv_heads, int head_dim, int max_keys);
 
 /* Enqueues the step (a memset of the counter, one cooperative launch of one block per SM). */
 cudaError_t pi0_cuda_denoise_step(const pi0_denoise_args *a, cudaStream_t stream);

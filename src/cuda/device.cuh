@@ -1,11 +1,13 @@
 /*
  * device.cuh - device helpers shared by the CUDA backend's kernels: bf16 packing and arithmetic, the tensor-core
- * product they all use with its shared-memory loads (ldmatrix), the tanh GELU, and programmatic dependent launch.
+ * product they all use with its shared-memory loads (ldmatrix), the few-queries attention's masked softmax steps,
+ * the tanh GELU, and programmatic dependent launch.
  */
 #ifndef PI0_CUDA_DEVICE_CUH
 #define PI0_CUDA_DEVICE_CUH
 
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +72,40 @@ static __device__ __forceinline__ void ldsm_x2_trans(uint32_t r[2], uint32_t add
                  : "=r"(r[0]), "=r"(r[1])
                  : "r"(addr)
                  : "memory");
+}
+
+/* Attention scores of one warp's 16 rows over N n8 tiles of keys from key0 (mma C layout: this lane holds keys
+ * key0 + 8 n + 2 quad_col (+1) of rows g and g + 8): scaled into the log2 domain, -inf at a key >= the row's
+ * visible count (vis0, vis1), and the rows' maxima over the quad folded into mx0 / mx1. */
+template <int N>
+static __device__ __forceinline__ void mask_scores(float (&s)[N][4], int key0, int quad_col, int vis0, int vis1,
+                                                   float scale_log2, float &mx0, float &mx1) {
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+        const int key = key0 + n * 8 + quad_col * 2;
+        s[n][0] = key < vis0 ? s[n][0] * scale_log2 : -INFINITY;
+        s[n][1] = key + 1 < vis0 ? s[n][1] * scale_log2 : -INFINITY;
+        s[n][2] = key < vis1 ? s[n][2] * scale_log2 : -INFINITY;
+        s[n][3] = key + 1 < vis1 ? s[n][3] * scale_log2 : -INFINITY;
+        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+}
+
+/* The probabilities exp2(s - base) in place, their sums (this lane's) added to l0 / l1. */
+template <int N>
+static __device__ __forceinline__ void exp_scores(float (&s)[N][4], float base0, float base1, float &l0, float &l1) {
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+        s[n][0] = exp2f(s[n][0] - base0), s[n][1] = exp2f(s[n][1] - base0);
+        s[n][2] = exp2f(s[n][2] - base1), s[n][3] = exp2f(s[n][3] - base1);
+        l0 += s[n][0] + s[n][1];
+        l1 += s[n][2] + s[n][3];
+    }
 }
 
 static __device__ __forceinline__ float gelu_tanh(float x) {

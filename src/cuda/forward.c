@@ -260,13 +260,16 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
     int pi05 = m->dims.kind == PI0_MODEL_PI05;
     size_t cache_layer = cache_layer_elems(m, g);
     TRY(suffix_tokens(s, m, g, step, err));
-    gemma_rows r = {B * S, B, S, g->in.suffix_pos, g->in.suffix_cache_row, g->in.suffix_segments, g->suffix, g->suffix_bf16,
-                    &g->suffix_buffers, g->suffix_attn_ws, g->suffix_attn_ws_bytes};
-    if (g->persistent) TRY(expert_persistent(s, m, g, step, err));
-    for (int layer = 0; !g->persistent && layer < d->depth; layer++) {
-        block_mods mods = pi05 ? layer_mods(m, g, layer, step) : (block_mods){0};
-        TRY(gemma_block(s, &w->expert[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer, 0,
-                        pi05 ? &mods : NULL, err));
+    if (g->persistent) {
+        TRY(expert_persistent(s, m, g, step, err));
+    } else {
+        gemma_rows r = {B * S, B, S, g->in.suffix_pos, g->in.suffix_cache_row, g->in.suffix_segments, g->suffix,
+                        g->suffix_bf16, &g->suffix_buffers, g->suffix_attn_ws, g->suffix_attn_ws_bytes};
+        for (int layer = 0; layer < d->depth; layer++) {
+            block_mods mods = pi05 ? layer_mods(m, g, layer, step) : (block_mods){0};
+            TRY(gemma_block(s, &w->expert[layer], d, &r, g->cache_k + layer * cache_layer,
+                            g->cache_v + layer * cache_layer, 0, pi05 ? &mods : NULL, err));
+        }
     }
     if (pi05)
         CUDA_TRY(pi0_cuda_rmsnorm_mod(g->final_h, g->suffix, g->in.action_rows, BH, We, mod_part(g, We, 2 * d->depth, 0, step),
@@ -388,7 +391,7 @@ pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, step_tables *t
     if (!st && !e && d->kind == PI0_MODEL_PI0) e = cudaStreamSynchronize(s->stream); /* the host tables are freed below */
     if (!st && e) st = pi0_fail(err, PI0_ERR_BACKEND, "uploading the step tables: %s", cudaGetErrorString(e));
     if (!st && d->kind == PI0_MODEL_PI05) st = pi05_step_constants(s, m, t, per_step_host, err);
-    if (!st) st = denoise_layer_table(s, m, t, err);
+    if (!st && s->use_persistent) st = denoise_layer_table(s, m, t, err); /* read by nothing else */
     free(times);
     free(per_step_host);
     return st;

@@ -18,7 +18,6 @@
 
 #include "cuda/attention.h"
 #include "cuda/backend.h"
-#include "cuda/skinny.h"
 #include "util/error.h"
 
 #define ALIGN 256
@@ -113,19 +112,13 @@ static pi0_status tables_for(cuda_state *s, const pi0_model *m, int steps, const
     return PI0_OK;
 }
 
-/* Whether the denoise step of this graph runs as one persistent kernel (denoise.h): one sample, the skinny
- * path's weights, and dims the kernel takes. */
+/* Whether the denoise step of this graph runs as one persistent kernel (denoise.h): asked for (and the skinny
+ * path not turned off), one sample, and dims the kernel takes. */
 static int denoise_persistent(const cuda_state *s, const cuda_graph *g, const pi0_dims *d) {
     const pi0_stack_dims *e = &d->expert;
-    return s->use_skinny && s->use_persistent && g->shape.batch == 1 && pi0_cuda_skinny_block_supported(e->width, e->mlp_dim, e->head_dim) &&
+    return s->use_skinny && s->use_persistent && g->shape.batch == 1 &&
            pi0_cuda_denoise_supported(g->suffix_len, e->width, e->num_heads, e->num_kv_heads, e->head_dim, e->mlp_dim,
                                       e->depth, g->shape.max_prefix + g->suffix_len);
-}
-
-static size_t denoise_workspace(const cuda_graph *g, const pi0_dims *d) {
-    const pi0_stack_dims *e = &d->expert;
-    return pi0_cuda_denoise_workspace(g->suffix_len, e->num_heads, e->num_kv_heads, e->head_dim,
-                                      g->shape.max_prefix + g->suffix_len);
 }
 
 static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
@@ -150,7 +143,9 @@ static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     g->suffix_bf16 = carve(c, R * We * bf);
     g->suffix_attn_ws_bytes = pi0_cuda_attention_workspace((int)B, d->expert.num_kv_heads, d->expert.head_dim);
     g->suffix_attn_ws = carve(c, g->suffix_attn_ws_bytes);
-    g->denoise_ws = g->persistent ? carve(c, denoise_workspace(g, d)) : NULL;
+    g->denoise_ws = g->persistent ? carve(c, pi0_cuda_denoise_workspace(d->expert.num_kv_heads, d->expert.head_dim,
+                                                                        sh->max_prefix + g->suffix_len))
+                                  : NULL;
     g->state_token = carve(c, B * We * f);
     g->action_tokens = carve(c, BH * We * f);
     carve_gemma(c, &g->suffix_buffers, R, &d->expert);
