@@ -53,7 +53,7 @@ LDLIBS_ALL = $(BLAS_LIBS) $(JSON_LIBS) -fopenmp -lm -lpthread $(SANITIZE) $(LDLI
 # msgpack-c and libwebsockets. The policy (src/policy/) is always in the library.
 SERVER_LIB_SRC = $(wildcard src/server/*.c)
 SERVER_CLI_SRC = $(wildcard cli/infer.c cli/serve.c)
-SERVER_TEST_SRC = $(wildcard tests/test_msgpack_numpy.c tests/test_infer.c)
+SERVER_TEST_SRC = $(wildcard tests/test_msgpack_numpy.c tests/test_infer.c tests/test_queue.c)
 SERVER_TOOL_SRC = $(wildcard tests/msgpack_tool.c)
 WITH_SERVER ?= $(shell $(PKG_CONFIG) --exists msgpack libwebsockets 2>/dev/null && echo 1)
 SERVER_CFLAGS ?= $(shell $(PKG_CONFIG) --cflags msgpack libwebsockets 2>/dev/null)

@@ -2,9 +2,9 @@
 # Everything a GPU session needs, in one call of the device machine: unpack the carried Debian
 # packages (OpenBLAS, jansson, msgpack-c, libwebsockets), build for sm_90a, run the GPU tests, then the
 # benchmarks. Usage (on the device): bench/device.sh MODE... with MODE one of build, tests, lab, quick, ab,
-# bench, pi05, convert, serve, soak, all (several run in that order); logs go to $OUT (or ./device-out).
+# bench, pi05, convert, serve, sweep, soak, all (several run in that order); logs go to $OUT (or ./device-out).
 # `convert` times pi0 convert on a real-size openpi checkpoint; `soak` adds a 5-minute (SOAK_MINUTES) run to
-# `serve`. `pi05` times
+# `serve` (with a .before/ tree, also one client against its server first); `sweep` times 16 clients at --max-batch 8, 16 and 32. `pi05` times
 # Pi0.5 against Pi0 at the same 60-token prompt (H 10 and 15) and a Pi0.5 batch sweep. `ab` times the seed workload and H=50 alternately with this tree and with an older one
 # unpacked in .before/ (here: `rm -rf .before && mkdir .before && git archive COMMIT | tar -x -C .before`,
 # then carry .before): the same-run before/after for changes that have no A/B switch. `serve` times
@@ -87,7 +87,7 @@ fi
 if [[ $modes == *" convert "* ]]; then   # pi0 convert on a real-size orbax checkpoint (needs JAX and orbax)
     python3 bench/convert_bench.py --pi0 build/pi0 --out /tmp/pi0_convert_bench 2>&1 | tee "$OUT/convert.txt"
 fi
-if want serve || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size bf16 checkpoint with openpi's client (bench/serve_load.py)
+if want serve || want sweep || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size bf16 checkpoint with openpi's client (bench/serve_load.py)
     python3 -m pip install -q --no-index --find-links .deps/wheels --target .deps/py --no-deps \
         msgpack websockets typing_extensions openpi-client > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
     export PYTHONPATH=$PWD/.deps/py
@@ -109,7 +109,7 @@ if want serve || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size b
     echo '{"name": "libero", "cameras": ["observation/image", "observation/wrist_image", null],
            "optional_cameras": ["observation/wrist_image"], "state": ["observation/state"], "action_dims": 7}' > /tmp/libero_opt.json
     serve() { # CHECKPOINT ADAPTER ARGS...: starts pi0 serve on port 8765 and waits for "listening"
-        build/pi0 serve --checkpoint "$1" --adapter "$2" --port 8765 --horizon 10 "${@:3}" > "$OUT/serve.out" 2>> "$OUT/serve.err" &
+        ${SERVER:-build/pi0} serve --checkpoint "$1" --adapter "$2" --port 8765 --horizon 10 "${@:3}" > "$OUT/serve.out" 2>> "$OUT/serve.err" &
         server=$!
         for _ in $(seq 300); do grep -q listening "$OUT/serve.out" 2>/dev/null && break; sleep 1; done
         grep "ready in" "$OUT/serve.err" | tail -1
@@ -117,9 +117,19 @@ if want serve || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size b
     stop() { kill -TERM $server; wait $server; echo "## server exit $?"; }
     load() { echo "## serve_load $*"; python3 bench/serve_load.py --port 8765 --json "$@"; }
     {
+      if want serve && [ -d .before/src ]; then   # the same run's before: one client against the older tree's server
+        make -C .before -j16 "${make_args[@]}" build/pi0 > "$OUT/build-before.log" 2>&1 || { tail -30 "$OUT/build-before.log"; exit 1; }
+        SERVER=.before/build/pi0 serve $ckpt /tmp/libero_opt.json
+        load --clients 1 --requests 300 --obs libero | sed "s/^/before: /"
+        stop
+      fi
       if want serve; then
         echo "## engine: 2 cameras, 32 prompt tokens, H 10 (what the server runs for one LIBERO request)"
         build/pi0 bench --cameras 2 --masked-cameras 0 --prompt-len 32 --horizon 10 --json
+        echo "## engine: the same with 256x256 frames resized on the GPU (what the server does with them)"
+        build/pi0 bench --cameras 2 --masked-cameras 0 --prompt-len 32 --horizon 10 --frame 256x256 --json
+        echo "## engine: DROID's 180x320 frames"
+        build/pi0 bench --cameras 2 --masked-cameras 0 --prompt-len 32 --horizon 10 --frame 180x320 --json
         serve $ckpt /tmp/libero_opt.json
         load --clients 1 --requests 300 --obs libero
         load --clients 1 --requests 200 --obs libero --vary --drop-camera 0.2
@@ -129,6 +139,8 @@ if want serve || [[ $modes == *" soak "* ]]; then   # pi0 serve on a real-size b
         serve /tmp/pi0_serve_droid droid
         load --clients 1 --requests 300 --obs droid
         stop
+      fi
+      if want sweep; then   # 16 clients at --max-batch 8, 16, 32: the curve the default comes from
         for mb in 8 16 32; do
             serve $ckpt /tmp/libero_opt.json --max-batch $mb
             load --clients 16 --requests 60 --obs libero --processes 4 | sed "s/^/max-batch $mb: /"

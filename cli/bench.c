@@ -12,9 +12,12 @@
 static const char *help =
     "usage: pi0 bench [--checkpoint DIR | --model pi0|pi05 | --dims FILE] [--backend auto|cpu|cuda] [--batch B]\n"
     "                 [--cameras 3] [--masked-cameras 1] [--prompt-len 20] [--horizon 10] [--steps 10]\n"
-    "                 [--warmup W] [--iters N] [--seed N] [--json]\n"
+    "                 [--frame HxW] [--warmup W] [--iters N] [--seed N] [--json]\n"
     "\n"
-    "Times sample_actions on random images, state, prompt and noise. Without --checkpoint the model\n"
+    "Times sample_actions on random images, state, prompt and noise. --frame 256x256 gives the cameras as\n"
+    "H x W uint8 frames, as a robot sends them, which the engine resizes and scales as openpi does (on the GPU\n"
+    "with the cuda backend): what `pi0 serve` runs. Without it, images of the model's size in [-1, 1].\n"
+    "Without --checkpoint the model\n"
     "is built from random weights of the real size of --model (default pi0), or of the dims in FILE (a\n"
     "config.json with a `dims` block as `pi0 init` writes). The default workload is the seed documents': one sample,\n"
     "3 cameras with the last one masked, 20 prompt tokens, horizon 10, 10 steps.\n"
@@ -23,11 +26,14 @@ static const char *help =
 
 typedef struct {
     long long batch, cameras, masked, prompt_len, horizon, steps, warmup, iters, seed;
+    int frame_h, frame_w; /* > 0: the cameras as uint8 frames of this size (pi0_batch.frames) */
 } workload;
 
 /* Random but deterministic inputs of the workload's shape. */
 typedef struct {
     float **images;
+    pi0_frame *frames;   /* (B, cameras) with --frame, pointing into frame_pixels */
+    uint8_t *frame_pixels;
     uint8_t *image_masks;
     int32_t *prompt_ids;
     uint8_t *prompt_mask;
@@ -36,7 +42,8 @@ typedef struct {
 
 static void inputs_free(bench_inputs *in, int cameras) {
     for (int c = 0; in->images && c < cameras; c++) free(in->images[c]);
-    free(in->images), free(in->image_masks), free(in->prompt_ids), free(in->prompt_mask);
+    free(in->images), free(in->frames), free(in->frame_pixels), free(in->image_masks), free(in->prompt_ids);
+    free(in->prompt_mask);
     free(in->state), free(in->noise), free(in->actions);
 }
 
@@ -53,9 +60,16 @@ static int inputs_make(bench_inputs *in, const workload *w, const pi0_dims *d) {
     in->actions = malloc(noise * sizeof(float));
     if (!in->images || !in->image_masks || !in->prompt_ids || !in->prompt_mask || !in->state || !in->noise || !in->actions)
         return -1;
-    for (int c = 0; c < w->cameras; c++) {
+    for (int c = 0; c < w->cameras && !w->frame_h; c++) {
         if (!(in->images[c] = malloc(B * image * sizeof(float)))) return -1;
         for (size_t i = 0; i < B * image; i++) in->images[c][i] = rng_uniform_pm1(stream + 1 + c, i);
+    }
+    if (w->frame_h) {
+        size_t frame = (size_t)w->frame_h * w->frame_w * 3, count = B * w->cameras;
+        if (!(in->frames = calloc(count + 1, sizeof *in->frames)) || !(in->frame_pixels = malloc(count * frame + 1)))
+            return -1;
+        for (size_t i = 0; i < count * frame; i++) in->frame_pixels[i] = (uint8_t)(rng_mix64(stream + 400 + i) >> 56);
+        for (size_t i = 0; i < count; i++) in->frames[i] = (pi0_frame){in->frame_pixels + i * frame, w->frame_h, w->frame_w};
     }
     for (size_t b = 0; b < B; b++)
         for (int c = 0; c < w->cameras; c++) in->image_masks[b * w->cameras + c] = c < w->cameras - w->masked;
@@ -93,21 +107,24 @@ static int report(const workload *w, const bench_stats *s, pi0_model *model, con
                   int json) {
     double hz = 1000.0 / s->mean, samples_per_s = hz * (double)w->batch;
     double gpu_gb = (double)pi0_model_device_memory(model) / 1e9;
+    char frame[32] = "";
+    if (w->frame_h) snprintf(frame, sizeof frame, "%dx%d", w->frame_h, w->frame_w);
     if (json) {
         json_t *o = json_pack(
-            "{s:s,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:f,s:{s:f,s:f,s:f},s:f,s:f}", "model",
+            "{s:s,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:s?,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:f,s:{s:f,s:f,s:f},s:f,s:f}", "model",
             pi0_model_kind_name(pi0_model_dims(model)->kind), "backend", pi0_backend_name(pi0_model_backend(model)),
             "batch", w->batch, "cameras", w->cameras, "masked_cameras",
             w->masked, "prompt_len", w->prompt_len, "horizon", w->horizon, "steps", w->steps, "iters", w->iters,
+            "frame", w->frame_h ? frame : NULL,
             "latency_ms", "mean", s->mean, "p50", s->p50, "p95", s->p95, "min", s->min, "max", s->max, "hz", hz,
             "samples_per_s", samples_per_s, "peak_host_memory_gb", peak_gb, "peak_gpu_memory_gb", gpu_gb, "stages_ms", "vision", s->vision, "prefix",
             s->prefix, "denoise", s->denoise, "load_s", load->seconds, "host_memory_after_load_gb", load->host_gb);
         return print_json("bench", o, JSON_PRESERVE_ORDER);
     }
-    printf("pi0 bench: %s, backend %s, batch %lld, %lld cameras (%lld masked), %lld prompt tokens, horizon %lld, "
+    printf("pi0 bench: %s, backend %s, batch %lld, %lld cameras (%lld masked)%s%s, %lld prompt tokens, horizon %lld, "
            "%lld steps, %lld iterations\n",
-           pi0_model_kind_name(pi0_model_dims(model)->kind), pi0_backend_name(pi0_model_backend(model)), w->batch, w->cameras, w->masked, w->prompt_len, w->horizon,
-           w->steps, w->iters);
+           pi0_model_kind_name(pi0_model_dims(model)->kind), pi0_backend_name(pi0_model_backend(model)), w->batch, w->cameras,
+           w->masked, *frame ? " as frames of " : "", frame, w->prompt_len, w->horizon, w->steps, w->iters);
     printf("latency ms: mean %.2f  p50 %.2f  p95 %.2f  min %.2f  max %.2f\n", s->mean, s->p50, s->p95, s->min, s->max);
     printf("throughput: %.2f Hz, %.2f samples/s\n", hz, samples_per_s);
     printf("stages ms (mean): vision %.2f  prefix %.2f  denoise %.2f\n", s->vision, s->prefix, s->denoise);
@@ -128,7 +145,8 @@ static int run_bench(pi0_model *model, const workload *w, const load_stats *load
         fprintf(stderr, "pi0 bench: out of memory for the inputs\n");
         return EXIT_FAILURE_RUN;
     }
-    pi0_batch batch = {.batch = (int)w->batch, .num_cameras = (int)w->cameras, .images = (const float *const *)in.images,
+    pi0_batch batch = {.batch = (int)w->batch, .num_cameras = (int)w->cameras,
+                       .images = in.frames ? NULL : (const float *const *)in.images, .frames = in.frames,
                        .image_masks = in.image_masks, .prompt_len = (int)w->prompt_len, .prompt_ids = in.prompt_ids,
                        .prompt_mask = in.prompt_mask, .state = in.state, .horizon = (int)w->horizon, .noise = in.noise,
                        .num_steps = (int)w->steps};
@@ -166,7 +184,7 @@ done:
 }
 
 int cmd_bench(int argc, char **argv) {
-    const char *checkpoint = NULL, *dims_path = NULL, *backend_name = "auto", *model_name = NULL;
+    const char *checkpoint = NULL, *dims_path = NULL, *backend_name = "auto", *model_name = NULL, *frame = NULL;
     workload w = {.batch = 1, .cameras = 3, .masked = 1, .prompt_len = 20, .horizon = 10, .steps = 10, .warmup = -1,
                   .iters = -1, .seed = 0};
     const int_flag ints[] = {
@@ -180,7 +198,8 @@ int cmd_bench(int argc, char **argv) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--json")) { json = 1; continue; }
         if ((r = flag_value(argc, argv, &i, "--checkpoint", &checkpoint)) || (r = flag_value(argc, argv, &i, "--dims", &dims_path)) ||
-            (r = flag_value(argc, argv, &i, "--backend", &backend_name)) || (r = flag_value(argc, argv, &i, "--model", &model_name))) {
+            (r = flag_value(argc, argv, &i, "--backend", &backend_name)) || (r = flag_value(argc, argv, &i, "--model", &model_name)) ||
+            (r = flag_value(argc, argv, &i, "--frame", &frame))) {
             if (r < 0) return usage_error("bench", "%s needs a value", argv[i]);
             continue;
         }
@@ -189,6 +208,10 @@ int cmd_bench(int argc, char **argv) {
         if (bad) return int_flag_error("bench", f);
     }
     if (w.masked > w.cameras) return usage_error("bench", "--masked-cameras exceeds --cameras");
+    char tail;
+    if (frame && (sscanf(frame, "%dx%d%c", &w.frame_h, &w.frame_w, &tail) != 2 || w.frame_h < 1 || w.frame_w < 1 ||
+                  w.frame_h > PI0_MAX_IMAGE_SIDE || w.frame_w > PI0_MAX_IMAGE_SIDE))
+        return usage_error("bench", "--frame takes HEIGHTxWIDTH with sides in 1..%d, not '%s'", PI0_MAX_IMAGE_SIDE, frame);
     if (checkpoint && (dims_path || model_name))
         return usage_error("bench", "--checkpoint excludes --dims and --model (the checkpoint says what it is)");
     pi0_model_kind kind = PI0_MODEL_PI0;

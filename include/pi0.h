@@ -157,16 +157,26 @@ PI0_API uint64_t pi0_model_graph_captures(const pi0_model *model);
 /* Number of parameters the engine uses (lm_head and other ignored tensors excluded). */
 PI0_API uint64_t pi0_model_num_params(const pi0_model *model);
 
+/* A camera frame as a robot sends it: RGB, HWC, uint8, any size up to PI0_MAX_IMAGE_SIDE on a side. */
+typedef struct {
+    const uint8_t *pixels; /* height * width * 3 bytes; NULL only for a masked camera */
+    int height, width;
+} pi0_frame;
+
 /*
- * A batch of B observations. Camera c of sample b is the image images[c] + b*S*S*3 (HWC, float in
- * [-1, 1], S = dims.image_size); it takes part iff image_masks[b*num_cameras + c] != 0. Prompt token
- * i of sample b is prompt_ids[b*prompt_len + i], valid iff prompt_mask[b*prompt_len + i] != 0.
+ * A batch of B observations. Camera c of sample b is given one of two ways: as model input, the image
+ * images[c] + b*S*S*3 (HWC, float in [-1, 1], S = dims.image_size), or as the robot's frame
+ * frames[b*num_cameras + c], which the backend makes model input exactly as openpi's policy transforms do
+ * (resize_with_pad with Pillow's bilinear filter, then x / 255 * 2 - 1; on the GPU, on the device). Exactly
+ * one of images and frames is non-NULL. A camera takes part iff image_masks[b*num_cameras + c] != 0.
+ * Prompt token i of sample b is prompt_ids[b*prompt_len + i], valid iff prompt_mask[b*prompt_len + i] != 0.
  * Invalid cameras and tokens do not change the result; by default they are skipped and cost nothing.
  */
 typedef struct {
     int batch;
     int num_cameras;
-    const float *const *images;  /* num_cameras pointers, each to (B, S, S, 3) */
+    const float *const *images;  /* num_cameras pointers, each to (B, S, S, 3); or NULL, and frames */
+    const pi0_frame *frames;     /* (B, num_cameras); or NULL, and images */
     const uint8_t *image_masks;  /* (B, num_cameras) */
     int prompt_len;
     const int32_t *prompt_ids;   /* (B, prompt_len) */

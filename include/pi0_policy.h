@@ -153,8 +153,8 @@ PI0_API void pi0_policy_result_free(pi0_policy_result *result);
 
 /*
  * The two halves of pi0_policy_infer, for a server that prepares requests while the model runs others.
- * pi0_policy_prepare checks and preprocesses one observation (images resized, state normalized, prompt
- * tokenized) into a new pi0_prepared; it only reads the policy, so any number of threads may call it at
+ * pi0_policy_prepare checks and preprocesses one observation (frames made uint8 HWC, state normalized,
+ * prompt tokenized; the model resizes the frames) into a new pi0_prepared; it only reads the policy, so any number of threads may call it at
  * once, also while another runs pi0_policy_infer_prepared. A bad observation gives a non-OK status and
  * still a pi0_prepared (NULL only when out of memory) that carries the error, so that passing it on makes
  * its result fail alone. pi0_policy_infer_prepared runs them as one batch like pi0_policy_infer, and is

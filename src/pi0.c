@@ -204,7 +204,7 @@ uint64_t pi0_model_num_params(const pi0_model *m) {
 static pi0_status check_finite_inputs(const pi0_dims *d, const pi0_batch *b, int horizon, pi0_error *err) {
     size_t S = (size_t)d->image_size, A = (size_t)d->action_dim, image = S * S * 3, chunk = (size_t)horizon * A, at;
     for (int s = 0; s < b->batch; s++) {
-        for (int c = 0; c < b->num_cameras; c++) {
+        for (int c = 0; c < b->num_cameras && b->images; c++) { /* frames are bytes: always finite */
             if (!b->image_masks[s * b->num_cameras + c]) continue; /* its image may be NULL */
             const float *pixels = b->images[c] + s * image;
             if ((at = first_nonfinite(pixels, image)) < image)

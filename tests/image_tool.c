@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "policy/image.h"
+#include "model/image.h"
 
 static int usage(void) {
     fprintf(stderr, "usage: image_tool resize H W OUT_H OUT_W [IN [OUT]]\n"

@@ -6,7 +6,7 @@
 #include <stdint.h>
 
 #include "check.h"
-#include "policy/image.h"
+#include "model/image.h"
 
 #define S 224
 

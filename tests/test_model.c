@@ -12,6 +12,7 @@
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/image.h"
 #include "model/model.h"
 #include "pi0.h"
 
@@ -704,6 +705,63 @@ TEST(nonfinite_inputs_are_refused) {
     fixture_close(&f);
 }
 
+/* Camera frames of any size (pi0_batch.frames, resized by the backend) give what the images openpi's transforms
+ * make of them give, bit for bit, with cameras masked and in uniform mode; bad frames are refused by name. */
+TEST(frames_equal_preprocessed_images) {
+    fixture f;
+    REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
+    const int sizes[][2] = {{256, 256}, {180, 320}, {224, 224}, {1, 1}, {37, 500}, {300, 41}, {100, 60}};
+    int B = f.batch.batch, C = 3, nsizes = (int)(sizeof sizes / sizeof sizes[0]);
+    size_t image = (size_t)224 * 224 * 3, n = actions_len(&f);
+    pi0_frame frames[64 * 3] = {{0}};
+    uint32_t rng = 12345;
+    for (int i = 0; i < B * C; i++) {
+        int b = i / C, c = i % C, h = sizes[i % nsizes][0], w = sizes[i % nsizes][1];
+        if (!f.masks[i]) continue; /* a masked camera's frame stays NULL */
+        uint8_t *px = malloc((size_t)h * w * 3);
+        for (size_t k = 0; k < (size_t)h * w * 3; k++) px[k] = (uint8_t)((rng = rng * 1664525u + 1013904223u) >> 24);
+        frames[i] = (pi0_frame){px, h, w};
+        pi0_image img = {.data = px, .type = PI0_PIXEL_U8, .layout = PI0_LAYOUT_HWC, .height = h, .width = w, .channels = 3};
+        pi0_error e = {0};
+        REQUIRE(pi0_image_preprocess(&img, 224, f.images[c] + b * image, &e) == PI0_OK, "%s", e.message);
+    }
+    float *from_images = malloc(n * sizeof(float)), *from_frames = malloc(n * sizeof(float));
+    pi0_error err = {0};
+    f.batch.num_steps = 2;
+    for (int uniform = 0; uniform < 2; uniform++) {
+        pi0_batch b = f.batch;
+        b.uniform_shape = uniform;
+        REQUIRE(pi0_sample_actions(f.model, &b, from_images, NULL, &err) == PI0_OK, "%s", err.message);
+        b.images = NULL, b.frames = frames;
+        REQUIRE(pi0_sample_actions(f.model, &b, from_frames, NULL, &err) == PI0_OK, "%s", err.message);
+        CHECK(memcmp(from_images, from_frames, n * sizeof(float)) == 0, "uniform %d: frames differ from their images (%.3g)",
+              uniform, rel_error(from_frames, from_images, n));
+    }
+    pi0_batch bad = f.batch;
+    bad.frames = frames; /* and images */
+    CHECK(pi0_sample_actions(f.model, &bad, from_frames, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+          strstr(err.message, "both images and frames"), "%s", err.message);
+    bad.images = NULL, bad.frames = NULL;
+    CHECK(pi0_sample_actions(f.model, &bad, from_frames, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+          strstr(err.message, "one or the other"), "%s", err.message);
+    REQUIRE(f.masks[1 * 3 + 1], "the fixture's masks changed");
+    bad.frames = frames;
+    pi0_frame kept = frames[1 * 3 + 1];
+    frames[1 * 3 + 1].width = 0;
+    CHECK(pi0_sample_actions(f.model, &bad, from_frames, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+          strstr(err.message, "the frame of camera 1, sample 1 is 0x"), "%s", err.message);
+    frames[1 * 3 + 1].width = PI0_MAX_IMAGE_SIDE + 1;
+    CHECK(pi0_sample_actions(f.model, &bad, from_frames, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+          strstr(err.message, "sides must be in 1..4096"), "%s", err.message);
+    frames[1 * 3 + 1] = (pi0_frame){NULL, 10, 10};
+    CHECK(pi0_sample_actions(f.model, &bad, from_frames, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+          strstr(err.message, "camera 1 is valid for sample 1 but its frame is NULL"), "%s", err.message);
+    frames[1 * 3 + 1] = kept;
+    for (int i = 0; i < B * C; i++) free((void *)frames[i].pixels);
+    free(from_images), free(from_frames);
+    fixture_close(&f);
+}
+
 /* Random weights: deterministic per seed, different across seeds, and a saved model reloads equal. */
 TEST(random_weights_deterministic_and_saveable) {
     char path[600];
@@ -801,6 +859,7 @@ int main(int argc, char **argv) {
     RUN(uniform_shape_pi05);
     RUN(bad_batches_are_rejected);
     RUN(nonfinite_inputs_are_refused);
+    RUN(frames_equal_preprocessed_images);
     RUN(random_weights_deterministic_and_saveable);
     RUN(full_size_random_inference);
     return check_finish();

@@ -14,7 +14,7 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "policy/adapter.h"
-#include "policy/image.h"
+#include "model/image.h"
 #include "policy/norm_stats.h"
 #include "policy/policy.h"
 #include "policy/tokenizer.h"

@@ -1,7 +1,7 @@
 /*
  * forward.c - sample_actions of Pi0 and Pi0.5 in float32 on the CPU, top to bottom (docs/model.md):
  *
- *   vision:  valid camera images -> SigLIP ViT -> projector -> 256 tokens per image
+ *   vision:  valid camera images (or frames, resized as openpi does) -> SigLIP ViT -> projector -> 256 tokens each
  *   prefix:  [image tokens, scaled prompt embeddings] -> Gemma LLM -> per-layer K/V cache
  *   denoise: num_steps x (suffix tokens -> action expert over the cache -> velocity v; x <- x + dt v)
  *            Pi0:   suffix = [state token, action_time_mlp([action_in_proj(x), time_emb(t)])]
@@ -17,6 +17,7 @@
 #include "cpu/cpu.h"
 #include "cpu/ops.h"
 #include "model/flow.h"
+#include "model/image.h"
 #include "util/clock.h"
 #include "util/error.h"
 
@@ -127,6 +128,30 @@ static void extract_patches(const float *image, int image_size, int patch, float
         }
 }
 
+/* The plan's camera images as model input: the caller's, or its frames made model input as openpi's policy
+ * transforms do (model/image.h) into *owned (num_images of them). A NULL image (a masked camera) is zeros. */
+static pi0_status plan_images(const pi0_plan *p, int image_size, const float **images, float **owned,
+                              pi0_error *err) {
+    size_t image = (size_t)image_size * image_size * 3;
+    if (!p->has_frames) {
+        memcpy(images, p->images, (size_t)p->num_images * sizeof *images);
+        return PI0_OK;
+    }
+    if (!(*owned = malloc((size_t)p->num_images * image * sizeof(float) + 1)))
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for %d camera images", p->num_images);
+    pi0_status failed = PI0_OK;
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < p->num_images; i++) {
+        const pi0_frame *f = &p->frames[i];
+        pi0_image frame = {.data = f->pixels, .type = PI0_PIXEL_U8, .layout = PI0_LAYOUT_HWC, .height = f->height,
+                           .width = f->width, .channels = 3};
+        images[i] = f->pixels ? *owned + (size_t)i * image : NULL;
+        if (f->pixels && pi0_image_preprocess(&frame, image_size, *owned + (size_t)i * image, NULL))
+            failed = PI0_ERR_OUT_OF_MEMORY; /* the sizes were checked: only memory can fail */
+    }
+    return failed ? pi0_fail(err, failed, "out of memory resizing %d camera frames", p->num_images) : PI0_OK;
+}
+
 /* SigLIP over the plan's valid images, then the projector: out is (num_images * P, llm width). */
 static pi0_status vision_forward(const pi0_model *m, const pi0_plan *p, float *out, pi0_error *err) {
     const pi0_dims *d = &m->dims;
@@ -141,13 +166,16 @@ static pi0_status vision_forward(const pi0_model *m, const pi0_plan *p, float *o
     float *k = malloc(rows * Dv * sizeof(float)), *val = malloc(rows * Dv * sizeof(float));
     float *att = malloc(rows * Dv * sizeof(float)), *mlp = malloc(rows * v->mlp_dim * sizeof(float));
     attn_segment *segments = malloc((size_t)n * sizeof *segments);
+    const float **images = malloc((size_t)n * sizeof *images);
+    float *frame_pixels = NULL;
     pi0_status st = PI0_OK;
-    if (!patches || !x || !h || !q || !k || !val || !att || !mlp || !segments) {
+    if (!patches || !x || !h || !q || !k || !val || !att || !mlp || !segments || !images) {
         st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory in the vision encoder (%d images)", n);
         goto done;
     }
+    if ((st = plan_images(p, d->image_size, images, &frame_pixels, err))) goto done;
 #pragma omp parallel for schedule(static)
-    for (int i = 0; i < n; i++) extract_patches(p->images[i], d->image_size, d->patch_size, patches + (size_t)i * P * patch_dim);
+    for (int i = 0; i < n; i++) extract_patches(images[i], d->image_size, d->patch_size, patches + (size_t)i * P * patch_dim);
     cpu_linear(x, patches, (int)rows, patch_dim, w->patch_w, w->patch_b, Dv);
     for (size_t r = 0; r < rows; r++)
         for (int j = 0; j < Dv; j++) x[r * Dv + j] += w->pos_emb[(r % P) * Dv + j];
@@ -174,6 +202,7 @@ static pi0_status vision_forward(const pi0_model *m, const pi0_plan *p, float *o
     cpu_linear(out, h, (int)rows, Dv, w->proj_w, w->proj_b, d->llm.width);
 done:
     free(patches), free(x), free(h), free(q), free(k), free(val), free(att), free(mlp), free(segments);
+    free(images), free(frame_pixels);
     return st;
 }
 

@@ -53,11 +53,15 @@ typedef struct {
 /* What fixes a graph's kernels and sizes; everything else about a batch is data copied in. */
 typedef struct {
     int batch, horizon, num_steps, num_images, total_prefix, max_prefix;
+    int frames; /* the cameras come as frames, resized on the device, instead of model-input images */
 } graph_shape;
 
-/* A graph's inputs, at the start of the workspace and mirrored in pinned host memory. */
+/* A graph's inputs, at the start of the workspace and mirrored in pinned host memory. The cameras are images
+ * or, in a graph of frames, jobs that say where this call's frames are (the frame staging buffer). */
 typedef struct {
-    float *images, *state, *x_t;
+    float *images;
+    pi0_frame_job *frame_jobs;
+    float *state, *x_t;
     int *prefix_src, *prefix_pos, *prefix_cache_row, *suffix_pos, *suffix_cache_row, *action_rows;
     attn_segment *vit_segments, *prefix_segments, *suffix_segments;
 } graph_inputs;
@@ -95,6 +99,7 @@ typedef struct {
     float *actions_host;
     const step_tables *tables;
     /* activations */
+    float *images;         /* the cameras as model input: the inputs' images, or the frames resized into it */
     float *patches, *vit_x, *vision, *x, *suffix, *state_token, *action_tokens;
     pi0_bf16 *suffix_bf16; /* the suffix rows rounded to bf16: the skinny Linears' input */
     float *suffix_attn_ws; /* the denoise attention's workspace (pi0_cuda_attention_ws) */
@@ -116,6 +121,8 @@ typedef struct {
     uint64_t captures; /* graphs made so far (pi0_model_graph_captures) */
     char *work, *work_host; /* the shared workspace (device) and its pinned mirror */
     size_t work_size, work_host_size;
+    uint8_t *frames, *frames_host; /* a call's camera frames and their resampling weights (device, pinned) */
+    size_t frames_size;
     step_tables **tables;   /* [num_tables], one per step count seen */
     int num_tables;
     int use_skinny; /* skinny.h's Linears for blocks of <= SKINNY_MAX_ROWS rows */

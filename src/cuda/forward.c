@@ -5,7 +5,7 @@
  * (docs/model.md#precision for where it rounds). Everything is enqueued on the backend's stream; graph.c
  * runs it eagerly or records it into a CUDA graph, and owns the memory it works in (backend.h).
  *
- *   vision:  valid camera images -> SigLIP ViT -> projector -> 256 tokens per image
+ *   vision:  valid camera images (or frames, resized on the GPU) -> SigLIP ViT -> projector -> 256 tokens each
  *   prefix:  [image tokens, scaled prompt embeddings] -> Gemma LLM -> per-layer K/V cache
  *   denoise: num_steps x (suffix tokens -> action expert over the cache -> x += dt v, fused into
  *            action_out_proj's GEMM)
@@ -141,7 +141,8 @@ static pi0_status vision_forward(cuda_state *s, const pi0_model *m, cuda_graph *
     int n = g->shape.num_images, P = image_tokens(d), rows = n * P, Dv = v->width;
     int patch_dim = 3 * d->patch_size * d->patch_size;
     if (n == 0) return PI0_OK;
-    CUDA_TRY(pi0_cuda_im2col(g->patches, g->in.images, n, d->image_size, d->patch_size, s->stream));
+    if (g->shape.frames) CUDA_TRY(pi0_cuda_frames_to_images(g->images, g->in.frame_jobs, n, d->image_size, s->stream));
+    CUDA_TRY(pi0_cuda_im2col(g->patches, g->images, n, d->image_size, d->patch_size, s->stream));
     TRY(gemm(s, (gemm_args){.m = rows, .n = Dv, .k = patch_dim, .x = g->patches, .w = w->patch_w, .out = g->vit_x,
                             .out_f32 = 1, .f32_inputs = 1, .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_add_bias_pos(g->vit_x, w->patch_b, w->pos_emb, rows, P, Dv, s->stream));

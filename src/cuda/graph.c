@@ -38,7 +38,8 @@ static void *carve(carver *c, size_t bytes) {
 
 static void carve_inputs(carver *c, graph_inputs *in, const graph_shape *sh, int suffix_len, const pi0_dims *d) {
     size_t B = (size_t)sh->batch, T = (size_t)sh->total_prefix, R = B * suffix_len, BH = B * sh->horizon;
-    in->images = carve(c, (size_t)sh->num_images * d->image_size * d->image_size * 3 * sizeof(float));
+    if (sh->frames) in->frame_jobs = carve(c, (size_t)sh->num_images * sizeof(pi0_frame_job));
+    else in->images = carve(c, (size_t)sh->num_images * d->image_size * d->image_size * 3 * sizeof(float));
     in->state = carve(c, B * d->action_dim * sizeof(float));
     in->x_t = carve(c, BH * d->action_dim * sizeof(float));
     in->prefix_src = carve(c, T * sizeof(int));
@@ -128,6 +129,7 @@ static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     size_t Dv = (size_t)d->vision.width, D = (size_t)d->llm.width, We = (size_t)d->expert.width;
     size_t kv_dim = (size_t)d->llm.num_kv_heads * d->llm.head_dim, cache_rows = T + R, bf = sizeof(pi0_bf16);
     size_t f = sizeof(float);
+    g->images = sh->frames ? carve(c, (size_t)sh->num_images * d->image_size * d->image_size * 3 * f) : g->in.images;
     g->patches = carve(c, NP * 3 * d->patch_size * d->patch_size * f);
     g->vit_x = carve(c, NP * Dv * f);
     g->vit_h = carve(c, NP * Dv * bf);
@@ -234,7 +236,7 @@ static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan 
     const pi0_dims *d = &m->dims;
     const graph_inputs *in = &g->in_host;
     size_t image = (size_t)d->image_size * d->image_size * 3, B = (size_t)p->batch, R = B * p->suffix_len;
-    for (int i = 0; i < p->num_images; i++) /* a NULL image is a masked camera in uniform mode: zeros */
+    for (int i = 0; i < p->num_images && !p->has_frames; i++) /* NULL: a masked camera in uniform mode, zeros */
         if (p->images[i]) memcpy(in->images + i * image, p->images[i], image * sizeof(float));
         else memset(in->images + i * image, 0, image * sizeof(float));
     if (p->state) memcpy(in->state, p->state, B * d->action_dim * sizeof(float)); /* Pi0.5 has none */
@@ -249,6 +251,96 @@ static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan 
     for (int i = 0; i < p->num_images; i++) in->vit_segments[i] = (attn_segment){i * P, P, i * P, P, 0};
     memcpy(in->prefix_segments, p->prefix_segments, B * sizeof(attn_segment));
     memcpy(in->suffix_segments, p->suffix_segments, B * sizeof(attn_segment));
+}
+
+/* ---- camera frames --------------------------------------------------------------------------------- */
+
+/* What one frame needs on the device: its bytes, then each resampled axis's first, count and weights. */
+typedef struct {
+    int new_h, new_w, pad_y, pad_x;
+    pi0_axis_weights x, y; /* zeroed where Pillow skips the pass (that side keeps its size) */
+} frame_plan;
+
+static size_t frame_bytes(const pi0_frame *f, const frame_plan *fp) {
+    size_t bytes = (size_t)f->height * f->width * 3 + ALIGN;
+    if (fp->x.weights) bytes += (size_t)fp->new_w * (2 * sizeof(int) + fp->x.max_taps * sizeof(int32_t)) + 3 * ALIGN;
+    if (fp->y.weights) bytes += (size_t)fp->new_h * (2 * sizeof(int) + fp->y.max_taps * sizeof(int32_t)) + 3 * ALIGN;
+    return bytes;
+}
+
+/* Copies n values of `size` bytes to the staging buffer at c (host), returning their device address. */
+static void *stage(carver *c, const cuda_state *s, const void *src, size_t size) {
+    void *host = carve(c, size);
+    memcpy(host, src, size);
+    return s->frames + ((uintptr_t)host - (uintptr_t)s->frames_host);
+}
+
+static void stage_axis(carver *c, const cuda_state *s, const pi0_axis_weights *k, int out, const int **first,
+                       const int **count, const int32_t **weights, int *taps) {
+    if (!k->weights) return;
+    *first = stage(c, s, k->first, (size_t)out * sizeof(int));
+    *count = stage(c, s, k->count, (size_t)out * sizeof(int));
+    *weights = stage(c, s, k->weights, (size_t)out * k->max_taps * sizeof(int32_t));
+    *taps = (int)k->max_taps;
+}
+
+/* Grows the frame staging buffers to hold `bytes` (twice that, so that a little larger frames later do not
+ * reallocate on a request's path). The stream is idle: every call waits for its graph. */
+static pi0_status frames_reserve(cuda_state *s, size_t bytes, pi0_error *err) {
+    if (bytes <= s->frames_size) return PI0_OK;
+    if (s->frames) cudaFree(s->frames), s->device_bytes -= s->frames_size;
+    if (s->frames_host) cudaFreeHost(s->frames_host);
+    s->frames = s->frames_host = NULL;
+    s->frames_size = 0;
+    bytes *= 2;
+    if (cudaMalloc((void **)&s->frames, bytes) != cudaSuccess || cudaMallocHost((void **)&s->frames_host, bytes)) {
+        cudaGetLastError();
+        if (s->frames) cudaFree(s->frames), s->frames = NULL;
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for %.1f MB of camera frames", (double)bytes / 1e6);
+    }
+    s->frames_size = bytes;
+    s->device_bytes += bytes;
+    if (s->device_bytes > s->peak_device_bytes) s->peak_device_bytes = s->device_bytes;
+    return PI0_OK;
+}
+
+/* The plan's frames, their geometry and Pillow's weights into the staging buffers, one job per frame in the
+ * graph's host inputs, and the staged bytes copied to the device on the stream (before the graph runs). */
+static pi0_status stage_frames(cuda_state *s, const pi0_model *m, const cuda_graph *g, const pi0_plan *p,
+                               pi0_error *err) {
+    int n = p->num_images, S = m->dims.image_size;
+    frame_plan *plans = calloc((size_t)n + 1, sizeof *plans);
+    if (!plans) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    pi0_status st = PI0_OK;
+    size_t bytes = 0;
+    for (int i = 0; i < n && !st; i++) {
+        const pi0_frame *f = &p->frames[i];
+        frame_plan *fp = &plans[i];
+        if (!f->pixels) continue;
+        pi0_resize_with_pad_geometry(f->height, f->width, S, S, &fp->new_h, &fp->new_w, &fp->pad_y, &fp->pad_x);
+        if (fp->new_w != f->width) st = pi0_axis_weights_init(&fp->x, f->width, fp->new_w, err);
+        if (!st && fp->new_h != f->height) st = pi0_axis_weights_init(&fp->y, f->height, fp->new_h, err);
+        bytes += frame_bytes(f, fp);
+    }
+    if (!st) st = frames_reserve(s, bytes, err);
+    carver at = {(uintptr_t)s->frames_host, 0};
+    for (int i = 0; i < n && !st; i++) {
+        const pi0_frame *f = &p->frames[i];
+        const frame_plan *fp = &plans[i];
+        pi0_frame_job *job = &g->in_host.frame_jobs[i];
+        *job = (pi0_frame_job){0};
+        if (!f->pixels) continue;
+        *job = (pi0_frame_job){.height = f->height, .width = f->width, .new_h = fp->new_h, .new_w = fp->new_w,
+                               .pad_y = fp->pad_y, .pad_x = fp->pad_x};
+        job->pixels = stage(&at, s, f->pixels, (size_t)f->height * f->width * 3);
+        stage_axis(&at, s, &fp->x, fp->new_w, &job->x_first, &job->x_count, &job->x_weights, &job->x_taps);
+        stage_axis(&at, s, &fp->y, fp->new_h, &job->y_first, &job->y_count, &job->y_weights, &job->y_taps);
+    }
+    for (int i = 0; i < n; i++) pi0_axis_weights_free(&plans[i].x), pi0_axis_weights_free(&plans[i].y);
+    free(plans);
+    if (!st && at.used && cudaMemcpyAsync(s->frames, s->frames_host, at.used, cudaMemcpyHostToDevice, s->stream))
+        st = pi0_fail(err, PI0_ERR_BACKEND, "copying the camera frames: %s", cudaGetErrorString(cudaGetLastError()));
+    return st;
 }
 
 /* ---- graphs ------------------------------------------------------------------------------------ */
@@ -268,7 +360,8 @@ static pi0_status capture(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_
 }
 
 static graph_shape shape_of(const pi0_plan *p) {
-    return (graph_shape){p->batch, p->horizon, p->num_steps, p->num_images, p->total_prefix, p->max_prefix};
+    return (graph_shape){p->batch, p->horizon, p->num_steps, p->num_images, p->total_prefix, p->max_prefix,
+                         p->has_frames};
 }
 
 /* The graph for this shape, made (and the least recently used one dropped past max_graphs) when needed. */
@@ -319,6 +412,7 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
                         p->max_prefix + p->suffix_len, ROPE_MAX_POS);
     TRY(graph_for(s, m, &shape, &g, err));
     fill_inputs(g, m, p);
+    if (p->has_frames) TRY(stage_frames(s, m, g, p, err));
     cudaGetLastError(); /* a stale error of someone else's call must not be taken for ours */
     if (use_graphs && g->exec) {
         CUDA_TRY(cudaGraphLaunch(g->exec, s->stream));
@@ -355,6 +449,8 @@ static void cuda_release(pi0_model *m) {
     free(s->tables);
     if (s->work) cudaFree(s->work);
     if (s->work_host) cudaFreeHost(s->work_host);
+    if (s->frames) cudaFree(s->frames);
+    if (s->frames_host) cudaFreeHost(s->frames_host);
     for (int i = 0; i < s->num_allocations; i++) cudaFree(s->allocations[i]);
     free(s->allocations);
     free(s->w.vit), free(s->w.llm), free(s->w.expert);

@@ -197,6 +197,66 @@ static __global__ void rope_qkv_kernel(__nv_bfloat16 *qkv, int heads, int kv_hea
     for (int t = threadIdx.x; t < kv_dim; t += blockDim.x) v_out[t] = v[t];
 }
 
+/* Pillow's clip8: the fixed-point accumulator's integer part, saturated to 0..255. */
+static __device__ __forceinline__ int clip8(long long acc) {
+    if (acc < 0) return 0;
+    long long v = acc >> PI0_RESIZE_PRECISION_BITS;
+    return v > 255 ? 255 : (int)v;
+}
+
+/* One weighted sum of Pillow's resampling: 2^21 + sum_t w[t] * in[t * stride], in int32 where that is exact
+ * (model/image.h), clipped. */
+static __device__ __forceinline__ int resample(const uint8_t *in, size_t stride, const int32_t *w, int count, int taps) {
+    if (taps <= PI0_RESIZE_INT32_TAPS) {
+        int acc = 1 << (PI0_RESIZE_PRECISION_BITS - 1);
+        for (int t = 0; t < count; t++) acc += in[t * stride] * w[t];
+        return clip8(acc);
+    }
+    long long acc = 1 << (PI0_RESIZE_PRECISION_BITS - 1);
+    for (int t = 0; t < count; t++) acc += (long long)in[t * stride] * w[t];
+    return clip8(acc);
+}
+
+/* Pillow's horizontal pass at one pixel: source row `row`, resized column x, channel c. */
+static __device__ __forceinline__ int horizontal(const pi0_frame_job &j, int row, int x, int c) {
+    const uint8_t *in = j.pixels + (size_t)row * j.width * 3 + c;
+    if (!j.x_weights) return in[(size_t)x * 3];
+    return resample(in + (size_t)j.x_first[x] * 3, 3, j.x_weights + (size_t)x * j.x_taps, j.x_count[x], j.x_taps);
+}
+
+/* Block (row y, frame f), threads over the row's S * 3 values. Pillow runs the horizontal pass first and
+ * stores it as bytes: the vertical pass sums those bytes, recomputed here per tap (a few taps each way). */
+static __global__ void frames_to_images_kernel(float *images, const pi0_frame_job *jobs, int image_size) {
+    const pi0_frame_job j = jobs[blockIdx.y];
+    int y = blockIdx.x, row_values = image_size * 3, yy = y - j.pad_y;
+    float *out = images + ((size_t)blockIdx.y * image_size + y) * row_values;
+    for (int i = threadIdx.x; i < row_values; i += blockDim.x) {
+        int xx = i / 3 - j.pad_x, c = i % 3, v = 0;
+        if (!j.pixels) {
+            out[i] = 0.0f;
+            continue;
+        }
+        if (yy >= 0 && yy < j.new_h && xx >= 0 && xx < j.new_w) {
+            if (!j.y_weights) {
+                v = horizontal(j, yy, xx, c);
+            } else {
+                const int32_t *w = j.y_weights + (size_t)yy * j.y_taps;
+                int first = j.y_first[yy], count = j.y_count[yy];
+                if (j.y_taps <= PI0_RESIZE_INT32_TAPS) {
+                    int acc = 1 << (PI0_RESIZE_PRECISION_BITS - 1);
+                    for (int t = 0; t < count; t++) acc += horizontal(j, first + t, xx, c) * w[t];
+                    v = clip8(acc);
+                } else {
+                    long long acc = 1 << (PI0_RESIZE_PRECISION_BITS - 1);
+                    for (int t = 0; t < count; t++) acc += (long long)horizontal(j, first + t, xx, c) * w[t];
+                    v = clip8(acc);
+                }
+            }
+        }
+        out[i] = (float)v / 255.0f * 2.0f - 1.0f; /* Observation.from_dict's scaling, each step in float32 */
+    }
+}
+
 static __global__ void im2col_kernel(float *out, const float *images, int n, int image_size, int patch) {
     int grid = image_size / patch, patch_dim = 3 * patch * patch;
     size_t total = (size_t)n * grid * grid * patch_dim;
@@ -326,6 +386,12 @@ cudaError_t pi0_cuda_rope_qkv(pi0_bf16 *qkv, int rows, int heads, int kv_heads, 
     if (rows > 0)
         rope_qkv_kernel<<<rows, 256, 0, stream>>>(as_bf16(qkv), heads, kv_heads, head_dim, positions, cache_rows,
                                                   as_bf16(cache_k), as_bf16(cache_v), rope_cos, rope_sin);
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_frames_to_images(float *images, const pi0_frame_job *jobs, int n, int image_size,
+                                      cudaStream_t stream) {
+    if (n > 0) frames_to_images_kernel<<<dim3(image_size, n), 256, 0, stream>>>(images, jobs, image_size);
     return cudaGetLastError();
 }
 

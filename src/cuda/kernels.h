@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "cuda/bf16.h"
+#include "model/image.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -49,6 +50,24 @@ cudaError_t pi0_cuda_gelu_mul(pi0_bf16 *out, const pi0_bf16 *in, int rows, int m
 cudaError_t pi0_cuda_rope_qkv(pi0_bf16 *qkv, int rows, int heads, int kv_heads, int head_dim, const int *positions,
                               const int *cache_rows, pi0_bf16 *cache_k, pi0_bf16 *cache_v, const float *rope_cos,
                               const float *rope_sin, cudaStream_t stream);
+
+/*
+ * One camera frame made model input on the device: openpi's resize_with_pad (Pillow's bilinear filter in
+ * its fixed-point arithmetic, model/image.h) and the [-1, 1] scaling, bit for bit as model/image.c does on
+ * the host. The host computes the geometry and the per-axis weights (pi0_axis_weights) and copies them with
+ * the frame; this describes where they are.
+ */
+typedef struct {
+    const uint8_t *pixels;                 /* (height, width, 3); NULL: a masked camera, zeros */
+    const int *x_first, *x_count, *y_first, *y_count;
+    const int32_t *x_weights, *y_weights;  /* (new_w, x_taps) and (new_h, y_taps); NULL: no pass on that axis */
+    int height, width, new_h, new_w, pad_y, pad_x, x_taps, y_taps;
+} pi0_frame_job;
+
+/* images (n, S, S, 3) float from the n frames of `jobs` (device memory, read when the kernel runs: a graph
+ * that captured this call resizes whatever the jobs say at each replay). */
+cudaError_t pi0_cuda_frames_to_images(float *images, const pi0_frame_job *jobs, int n, int image_size,
+                                      cudaStream_t stream);
 
 /* Patches of HWC images (n, S, S, 3) into rows (n * (S/p)^2, 3 p p) flattened as (channel, row, col). */
 cudaError_t pi0_cuda_im2col(float *out, const float *images, int n, int image_size, int patch, cudaStream_t stream);

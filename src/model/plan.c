@@ -19,15 +19,23 @@ static pi0_status check_batch(const pi0_dims *dims, const pi0_batch *b, pi0_erro
     if (b->num_steps < 0 || b->num_steps > PI0_MAX_STEPS)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "num_steps %d is outside 0..%d", b->num_steps, PI0_MAX_STEPS);
     if (!b->state && dims->kind == PI0_MODEL_PI0) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "state is NULL");
-    if (b->num_cameras > 0 && (!b->images || !b->image_masks))
-        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "images or image_masks is NULL");
+    if (b->num_cameras > 0 && (!b->images == !b->frames || !b->image_masks))
+        return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "%s", !b->image_masks ? "image_masks is NULL"
+                        : b->images ? "both images and frames are given: one or the other"
+                                    : "images and frames are both NULL: one or the other is needed");
     if (b->prompt_len > 0 && (!b->prompt_ids || !b->prompt_mask))
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "prompt_ids or prompt_mask is NULL");
     for (int s = 0; s < b->batch; s++) {
-        for (int c = 0; c < b->num_cameras; c++)
-            if (b->image_masks[s * b->num_cameras + c] && !b->images[c])
-                return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "camera %d is valid for sample %d but its image is NULL",
-                                c, s);
+        for (int c = 0; c < b->num_cameras; c++) {
+            if (!b->image_masks[s * b->num_cameras + c]) continue;
+            const pi0_frame *f = b->frames ? &b->frames[s * b->num_cameras + c] : NULL;
+            if (b->images ? !b->images[c] : !f->pixels)
+                return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "camera %d is valid for sample %d but its %s is NULL",
+                                c, s, b->images ? "image" : "frame");
+            if (f && (f->height < 1 || f->width < 1 || f->height > PI0_MAX_IMAGE_SIDE || f->width > PI0_MAX_IMAGE_SIDE))
+                return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the frame of camera %d, sample %d is %dx%d: sides must "
+                                "be in 1..%d", c, s, f->width, f->height, PI0_MAX_IMAGE_SIDE);
+        }
         for (int i = 0; i < b->prompt_len; i++) {
             int64_t at = (int64_t)s * b->prompt_len + i;
             if (b->prompt_mask[at] && (b->prompt_ids[at] < 0 || b->prompt_ids[at] >= dims->vocab_size))
@@ -41,7 +49,8 @@ static pi0_status check_batch(const pi0_dims *dims, const pi0_batch *b, pi0_erro
 
 static int alloc_all(pi0_plan *p, int B, int num_cameras, int prompt_len) {
     size_t rows = (size_t)B * ((size_t)num_cameras * p->tokens_per_image + prompt_len) + 1;
-    p->images = malloc(sizeof(float *) * ((size_t)B * num_cameras + 1));
+    p->images = calloc((size_t)B * num_cameras + 1, sizeof(float *));
+    p->frames = calloc((size_t)B * num_cameras + 1, sizeof(pi0_frame));
     p->image_start = calloc((size_t)B + 1, sizeof(int));
     p->prefix_src = malloc(rows * sizeof(int));
     p->prefix_start = calloc((size_t)B, sizeof(int));
@@ -50,7 +59,7 @@ static int alloc_all(pi0_plan *p, int B, int num_cameras, int prompt_len) {
     p->cache_start = calloc((size_t)B, sizeof(int));
     p->prefix_segments = calloc((size_t)B, sizeof(attn_segment));
     p->suffix_segments = calloc((size_t)B, sizeof(attn_segment));
-    return p->images && p->image_start && p->prefix_src && p->prefix_start && p->prefix_len && p->prefix_keys &&
+    return p->images && p->frames && p->image_start && p->prefix_src && p->prefix_start && p->prefix_len && p->prefix_keys &&
            p->cache_start && p->prefix_segments && p->suffix_segments;
 }
 
@@ -95,9 +104,10 @@ static void plan_sample(pi0_plan *p, const pi0_dims *dims, const pi0_batch *b, i
         if (!valid && !b->uniform_shape) break;
         for (int c = 0; c < C; c++) {
             if (!b->image_masks[(size_t)s * C + c] != !valid) continue;
-            const float *pixels = b->images[c] ? b->images[c] + (size_t)s * image : NULL; /* NULL: zeros */
             for (int t = 0; t < P; t++) p->prefix_src[(*row)++] = p->num_images * P + t;
-            p->images[p->num_images++] = pixels;
+            if (b->frames && valid) p->frames[p->num_images] = b->frames[(size_t)s * C + c];
+            else if (b->images && b->images[c]) p->images[p->num_images] = b->images[c] + (size_t)s * image;
+            p->num_images++; /* a masked camera's image and frame stay NULL: zeros */
         }
         for (int i = 0; i < L; i++) {
             size_t at = (size_t)s * L + i;
@@ -119,6 +129,7 @@ pi0_status plan_build(const pi0_dims *dims, const pi0_batch *b, pi0_plan *p, pi0
     p->suffix_len = p->horizon + (dims->kind == PI0_MODEL_PI0);
     p->num_steps = b->num_steps ? b->num_steps : 10;
     p->state = b->state;
+    p->has_frames = b->frames != NULL;
     if ((int64_t)B * ((int64_t)b->num_cameras * p->tokens_per_image + b->prompt_len + p->suffix_len) > (1 << 30))
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "batch has too many tokens (%d samples of up to %d)", B,
                         b->num_cameras * p->tokens_per_image + b->prompt_len + p->suffix_len);
@@ -150,6 +161,7 @@ oom:
 
 void plan_free(pi0_plan *p) {
     free(p->images);
+    free(p->frames);
     free(p->image_start);
     free(p->prefix_src);
     free(p->prefix_start);

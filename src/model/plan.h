@@ -38,7 +38,11 @@ typedef struct {
     int suffix_len;             /* suffix rows per sample: H + 1 with Pi0's state token, H for Pi0.5 */
     int tokens_per_image;
     int num_images;             /* camera images to encode over the batch */
-    const float **images;       /* [num_images], sample-major, the valid ones first (NULL: a masked camera's zeros) */
+    /* [num_images], sample-major, the valid ones first; the caller's images or its frames (has_frames), the
+     * other NULL. A masked camera's image or frame pixels are NULL: zeros. */
+    const float **images;
+    pi0_frame *frames;
+    int has_frames;
     int *image_start;           /* [batch + 1]: sample b owns images [image_start[b], image_start[b+1]) */
     int *prefix_src;            /* [total_prefix]: >= 0 image token images * P + t, else prompt id -src - 1 */
     int *prefix_start, *prefix_len; /* [batch] packed prefix rows */

@@ -2,8 +2,9 @@
  * policy.c - openpi's Policy.infer (docs/policy.md) around pi0_sample_actions.
  *
  * Per observation, in openpi's order: the robot's input transform (adapter: which key is which camera,
- * which keys make the state), Normalize (state), InjectDefaultPrompt, ResizeImages + the [-1, 1] scaling
- * (pi0_image_preprocess), TokenizePrompt, PadStatesAndActions; then one batched sample_actions; then
+ * which keys make the state, the frames as uint8 HWC), Normalize (state), InjectDefaultPrompt, TokenizePrompt,
+ * PadStatesAndActions; then one batched sample_actions, whose backend does ResizeImages and the [-1, 1]
+ * scaling (pi0_batch.frames: on the GPU with CUDA); then
  * Unnormalize (actions) and the robot's output transform (the first action_dims). The numbers follow
  * numpy's: the state is normalized in float64 from its own dtype and rounded to float32 once (as JAX
  * does when it takes the float64 array); actions are unnormalized in float64 and stay float64.
@@ -21,18 +22,19 @@
 #include "model/checkpoint.h"
 #include "model/flow.h"
 #include "model/model.h"
-#include "policy/image.h"
+#include "model/image.h"
 #include "util/clock.h"
 #include "util/error.h"
 #include "util/half.h"
 
 #define MAX_ASSET_DEPTH 8   /* how deep under assets/ to look for norm_stats.json */
 
-/* One observation made model input (pi0_policy_prepare): one allocation holding the model cameras' pixels,
- * the prompt and the state. */
+/* One observation made model input (pi0_policy_prepare): one allocation holding the model cameras' frames,
+ * the prompt and the state. The frames are openpi's uint8 HWC, as the robot sent them; the backend resizes
+ * them (pi0_batch.frames), the CUDA backend on the GPU. */
 struct pi0_prepared {
     pi0_error error;       /* error.status != PI0_OK: this observation failed; nothing else is set */
-    float *pixels;         /* (cameras, S, S, 3) in [-1, 1]; zeros for a missing optional camera */
+    pi0_frame frames[PI0_ADAPTER_MAX_CAMERAS]; /* per model camera; pixels NULL for a missing optional camera */
     uint8_t *camera_valid; /* [cameras] */
     int32_t *prompt_ids;   /* [max_token_len] */
     uint8_t *prompt_mask;  /* [max_token_len] */
@@ -55,8 +57,9 @@ struct pi0_policy {
     int camera[PI0_ADAPTER_MAX_CAMERAS]; /* model camera k is the adapter's camera camera[k] */
     /* the batch buffers, kept between calls; room for `capacity` observations */
     int capacity;
-    float *images[PI0_ADAPTER_MAX_CAMERAS]; /* per model camera, (capacity, S, S, 3) */
+    pi0_frame *frames;  /* (capacity, cameras): the prepared observations' (not owned) */
     uint8_t *image_masks, *prompt_mask;
+    uint8_t *blank_frame; /* S x S x 3 zeros: warm-up's frames */
     int32_t *prompt_ids;
     float *state, *noise, *actions;
     int *source;        /* batch slot -> index of the observation */
@@ -66,10 +69,9 @@ struct pi0_policy {
 /* ---- opening ------------------------------------------------------------------------------------------- */
 
 static void free_buffers(pi0_policy *p) {
-    for (int c = 0; c < PI0_ADAPTER_MAX_CAMERAS; c++) free(p->images[c]), p->images[c] = NULL;
-    free(p->image_masks), free(p->prompt_mask), free(p->prompt_ids);
+    free(p->frames), free(p->image_masks), free(p->prompt_mask), free(p->prompt_ids), free(p->blank_frame);
     free(p->state), free(p->noise), free(p->actions), free(p->source), free(p->owned);
-    p->image_masks = p->prompt_mask = NULL, p->prompt_ids = NULL;
+    p->frames = NULL, p->image_masks = p->prompt_mask = p->blank_frame = NULL, p->prompt_ids = NULL;
     p->state = p->noise = p->actions = NULL, p->source = NULL, p->owned = NULL;
     p->capacity = 0;
 }
@@ -361,15 +363,15 @@ static pi0_status check_image(const pi0_field *f, pi0_image *img, pi0_error *err
     if (h > PI0_MAX_IMAGE_SIDE || w > PI0_MAX_IMAGE_SIDE)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "\"%s\" is a %lldx%lld image, larger than %dx%d", f->key,
                         (long long)w, (long long)h, PI0_MAX_IMAGE_SIDE, PI0_MAX_IMAGE_SIDE);
-    /* float64 frames are turned into bytes by render_image; float32 ones by pi0_image_preprocess */
+    /* float64 frames are turned into bytes by render_frame; float32 ones by pi0_image_to_frame */
     *img = (pi0_image){.data = f->data, .type = f->dtype == PI0_DTYPE_F32 ? PI0_PIXEL_F32 : PI0_PIXEL_U8,
                        .layout = chw ? PI0_LAYOUT_CHW : PI0_LAYOUT_HWC, .height = (int)h, .width = (int)w,
                        .channels = 3};
     return PI0_OK;
 }
 
-/* One checked camera frame to the model's S x S x 3 floats in [-1, 1]. */
-static pi0_status render_image(const pi0_field *f, const pi0_image *checked, int size, float *out, pi0_error *err) {
+/* One checked camera frame as openpi's uint8 HWC into `hwc` (height * width * 3 bytes). */
+static pi0_status render_frame(const pi0_field *f, const pi0_image *checked, uint8_t *hwc, pi0_error *err) {
     pi0_image img = *checked;
     uint8_t *bytes = NULL;
     if (f->dtype == PI0_DTYPE_F64) {
@@ -384,7 +386,7 @@ static pi0_status render_image(const pi0_field *f, const pi0_image *checked, int
         img.data = bytes;
     }
     pi0_error inner = {0};
-    pi0_status st = pi0_image_preprocess(&img, size, out, &inner);
+    pi0_status st = pi0_image_to_frame(&img, hwc, &inner);
     free(bytes);
     if (st) return pi0_fail(err, st, "\"%s\": %s", f->key, inner.message);
     return PI0_OK;
@@ -510,53 +512,54 @@ static pi0_status prepare_prompt(const pi0_policy *p, const pi0_observation *obs
     return PI0_OK;
 }
 
-/* Model camera k's frame into out->pixels: checked, then resized and scaled as openpi does; a missing optional
- * camera is zeros with its mask false. */
-static pi0_status prepare_camera(const pi0_policy *p, const pi0_observation *obs, int k, pi0_prepared *out,
-                                 pi0_error *err) {
-    int S = pi0_model_dims(p->model)->image_size, c = p->camera[k];
+/* Finds and checks model camera k's frame: *field NULL for a missing optional camera. */
+static pi0_status find_camera(const pi0_policy *p, const pi0_observation *obs, int k, const pi0_field **field,
+                              pi0_image *image, pi0_error *err) {
+    int c = p->camera[k];
     const char *key = p->adapter->camera_keys[c];
-    float *pixels = out->pixels + (size_t)k * S * S * 3;
-    out->camera_valid[k] = 1;
-    if (p->adapter->camera_optional[c] && !pi0_observation_find(obs, key)) {
-        memset(pixels, 0, (size_t)S * S * 3 * sizeof(float));
-        out->camera_valid[k] = 0;
-        return PI0_OK;
-    }
-    const pi0_field *f = find_array(obs, key, "a camera image", err);
-    pi0_image image;
-    if (!f) return err ? err->status : PI0_ERR_INVALID_ARGUMENT;
-    pi0_status st = check_image(f, &image, err);
-    return st ? st : render_image(f, &image, S, pixels, err);
+    *field = NULL;
+    if (p->adapter->camera_optional[c] && !pi0_observation_find(obs, key)) return PI0_OK;
+    if (!(*field = find_array(obs, key, "a camera image", err))) return err ? err->status : PI0_ERR_INVALID_ARGUMENT;
+    return check_image(*field, image, err);
 }
 
 pi0_status pi0_policy_prepare(const pi0_policy *p, const pi0_observation *obs, pi0_prepared **out, pi0_error *err) {
     double t0 = pi0_now_ms();
     if (!p || !obs || !out) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy prepare: NULL policy, observation or output");
+    *out = NULL;
     const pi0_dims *d = pi0_model_dims(p->model);
-    size_t C = (size_t)p->num_cameras, S = (size_t)d->image_size, L = (size_t)d->max_token_len, A = (size_t)d->action_dim;
-    /* one block: the struct, then float pixels and state, double state, int32 ids, then the byte arrays */
-    size_t floats = C * S * S * 3 + A, bytes = sizeof(pi0_prepared) + floats * sizeof(float) + A * sizeof(double) +
-                                                 L * sizeof(int32_t) + L + C + 64;
-    char *block = calloc(1, bytes);
+    size_t C = (size_t)p->num_cameras, L = (size_t)d->max_token_len, A = (size_t)d->action_dim;
+    const pi0_field *fields[PI0_ADAPTER_MAX_CAMERAS];
+    pi0_image images[PI0_ADAPTER_MAX_CAMERAS];
+    pi0_error camera_err = {0};
+    pi0_status st = PI0_OK;
+    size_t frame_bytes = 0;
+    for (size_t k = 0; k < C && !st; k++)
+        if (!(st = find_camera(p, obs, (int)k, &fields[k], &images[k], &camera_err)) && fields[k])
+            frame_bytes += (size_t)images[k].height * images[k].width * 3;
+    /* one block: the struct, then float state, double state, int32 ids, then the byte arrays and the frames */
+    size_t bytes = sizeof(pi0_prepared) + A * sizeof(float) + A * sizeof(double) + L * sizeof(int32_t) + L + C + 64 +
+                   (st ? 0 : frame_bytes);
+    char *block = malloc(bytes);
     *out = (pi0_prepared *)block;
     if (!block) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing an observation");
+    memset(block, 0, bytes - (st ? 0 : frame_bytes)); /* the frames are written over */
     pi0_prepared *pr = *out;
     char *at = block + (sizeof(pi0_prepared) + 15) / 16 * 16;
     pr->state_f64 = (double *)at, at += A * sizeof(double);
-    pr->pixels = (float *)at, at += C * S * S * 3 * sizeof(float);
     pr->state = (float *)at, at += A * sizeof(float);
     pr->prompt_ids = (int32_t *)at, at += L * sizeof(int32_t);
     pr->prompt_mask = (uint8_t *)at, at += L;
-    pr->camera_valid = (uint8_t *)at;
+    pr->camera_valid = (uint8_t *)at, at += C;
+    if (st) pr->error = camera_err;
+    for (size_t k = 0; k < C && !st; k++) {
+        pr->camera_valid[k] = fields[k] != NULL;
+        if (!fields[k]) continue;
+        pr->frames[k] = (pi0_frame){(uint8_t *)at, images[k].height, images[k].width};
+        st = render_frame(fields[k], &images[k], (uint8_t *)at, &pr->error);
+        at += (size_t)images[k].height * images[k].width * 3;
+    }
     int n_state = 0;
-    pi0_status st = PI0_OK;
-    /* the cameras' resizes are the work: side by side, each with its own error (the first one's is kept) */
-    pi0_error camera_err[PI0_ADAPTER_MAX_CAMERAS] = {{0}};
-#pragma omp parallel for num_threads(C) if (C > 1)
-    for (int k = 0; k < (int)C; k++) prepare_camera(p, obs, k, pr, &camera_err[k]);
-    for (int k = 0; k < (int)C && !st; k++)
-        if ((st = camera_err[k].status)) pr->error = camera_err[k];
     if (!st) st = prepare_state(p, obs, pr, &n_state, &pr->error);
     if (!st) st = prepare_prompt(p, obs, n_state, pr, &pr->error);
     pr->prepare_ms = pi0_now_ms() - t0;
@@ -576,8 +579,8 @@ static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
     const pi0_dims *d = pi0_model_dims(p->model);
     size_t n = (size_t)count, S = (size_t)d->image_size, L = (size_t)d->max_token_len;
     size_t per_chunk = (size_t)p->horizon * d->action_dim;
-    int ok = 1;
-    for (int k = 0; k < p->num_cameras; k++) ok &= (p->images[k] = calloc(n * S * S * 3, sizeof(float))) != NULL;
+    p->frames = calloc(n * p->num_cameras + 1, sizeof *p->frames);
+    p->blank_frame = calloc(S * S * 3, 1);
     p->image_masks = calloc(n * p->num_cameras + 1, 1);
     p->prompt_ids = calloc(n * L + 1, sizeof(int32_t));
     p->prompt_mask = calloc(n * L + 1, 1);
@@ -586,7 +589,7 @@ static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
     p->actions = malloc(n * per_chunk * sizeof(float));
     p->source = malloc(n * sizeof(int));
     p->owned = calloc(n, sizeof *p->owned);
-    if (!ok || !p->image_masks || !p->prompt_ids || !p->prompt_mask || !p->state || !p->noise || !p->actions ||
+    if (!p->frames || !p->blank_frame || !p->image_masks || !p->prompt_ids || !p->prompt_mask || !p->state || !p->noise || !p->actions ||
         !p->source || !p->owned) {
         free_buffers(p);
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a batch of %d observations", count);
@@ -640,9 +643,9 @@ static int batch_rows(const pi0_policy *p, int valid) {
 /* Slot `slot` of the batch buffers from one prepared observation; prompts at stride max_token_len for now. */
 static void fill_slot(pi0_policy *p, const pi0_prepared *pr, int slot) {
     const pi0_dims *d = pi0_model_dims(p->model);
-    size_t image = (size_t)d->image_size * d->image_size * 3, L = (size_t)d->max_token_len, C = (size_t)p->num_cameras;
+    size_t L = (size_t)d->max_token_len, C = (size_t)p->num_cameras;
     for (size_t k = 0; k < C; k++) {
-        memcpy(p->images[k] + slot * image, pr->pixels + k * image, image * sizeof(float));
+        p->frames[slot * C + k] = pr->frames[k];
         p->image_masks[slot * C + k] = pr->camera_valid[k];
     }
     memcpy(p->prompt_ids + slot * L, pr->prompt_ids, L * sizeof(int32_t));
@@ -653,10 +656,10 @@ static void fill_slot(pi0_policy *p, const pi0_prepared *pr, int slot) {
 /* Fills slots valid..rows with copies of slot 0 (a batch padded to its bucket). */
 static void pad_slots(pi0_policy *p, int valid, int rows) {
     const pi0_dims *d = pi0_model_dims(p->model);
-    size_t image = (size_t)d->image_size * d->image_size * 3, L = (size_t)d->max_token_len, C = (size_t)p->num_cameras;
+    size_t L = (size_t)d->max_token_len, C = (size_t)p->num_cameras;
     size_t chunk = (size_t)p->horizon * d->action_dim;
     for (int slot = valid; slot < rows; slot++) {
-        for (size_t k = 0; k < C; k++) memcpy(p->images[k] + slot * image, p->images[k], image * sizeof(float));
+        memcpy(p->frames + slot * C, p->frames, C * sizeof *p->frames);
         memcpy(p->image_masks + slot * C, p->image_masks, C);
         memcpy(p->prompt_ids + slot * L, p->prompt_ids, L * sizeof(int32_t));
         memcpy(p->prompt_mask + slot * L, p->prompt_mask, L);
@@ -676,9 +679,7 @@ static pi0_status run_batch(pi0_policy *p, int valid, int prompt_len, double *mo
         memmove(p->prompt_ids + (size_t)v * prompt_len, p->prompt_ids + v * L, (size_t)prompt_len * sizeof(int32_t));
         memmove(p->prompt_mask + (size_t)v * prompt_len, p->prompt_mask + v * L, (size_t)prompt_len);
     }
-    const float *images[PI0_ADAPTER_MAX_CAMERAS];
-    for (int k = 0; k < p->num_cameras; k++) images[k] = p->images[k];
-    pi0_batch batch = {.batch = rows, .num_cameras = p->num_cameras, .images = images, .image_masks = p->image_masks,
+    pi0_batch batch = {.batch = rows, .num_cameras = p->num_cameras, .frames = p->frames, .image_masks = p->image_masks,
                        .prompt_len = prompt_len, .prompt_ids = p->prompt_ids, .prompt_mask = p->prompt_mask,
                        .state = p->state, .horizon = p->horizon, .noise = p->noise, .num_steps = p->num_steps,
                        .uniform_shape = uses_graphs(p)};
@@ -770,7 +771,7 @@ pi0_status pi0_policy_infer(pi0_policy *p, const pi0_observation *const *obs, co
     pi0_status st = check_call(p, obs, count, results, err);
     if (!st) st = ensure_capacity(p, batch_rows(p, count), err);
     if (st) return st;
-    /* every observation's preparation is independent: in parallel (each camera's resize is the work) */
+    /* every observation's preparation is independent: in parallel (a float frame's conversion can be work) */
 #pragma omp parallel for schedule(dynamic, 1) if (count > 1)
     for (int i = 0; i < count; i++) {
         pi0_error e = {0};
@@ -795,11 +796,12 @@ pi0_status pi0_policy_warmup(pi0_policy *p, int max_batch, double *seconds, pi0_
     if (!uses_graphs(p)) return PI0_OK;
     pi0_status st = ensure_capacity(p, batch_rows(p, max_batch), err);
     const pi0_dims *d = pi0_model_dims(p->model);
-    size_t L = (size_t)d->max_token_len, per = (size_t)d->image_size * d->image_size * 3;
+    size_t L = (size_t)d->max_token_len;
+    pi0_frame blank = {p->blank_frame, d->image_size, d->image_size};
     for (int rows = prompt_rows(p, (int)L); !st && rows >= 1;
          rows = rows > PROMPT_BUCKET ? prompt_rows(p, rows - PROMPT_BUCKET) : 0) {
         for (int b = batch_rows(p, max_batch); !st && b >= 1; b = b > BATCH_EXACT ? b - BATCH_EXACT : b - 1) {
-            for (int k = 0; k < p->num_cameras; k++) memset(p->images[k], 0, (size_t)b * per * sizeof(float));
+            for (int k = 0; k < b * p->num_cameras; k++) p->frames[k] = blank;
             memset(p->image_masks, 1, (size_t)b * p->num_cameras);
             memset(p->prompt_ids, 0, (size_t)b * L * sizeof(int32_t));
             memset(p->prompt_mask, 1, (size_t)b * L);

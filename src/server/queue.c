@@ -203,6 +203,7 @@ static struct timespec timespec_from_ms(double ms) {
 }
 
 int queue_take(server_queue *q, int max, double wait_ms, server_request **out) {
+    double model_free_ms = pi0_now_ms();
     pthread_mutex_lock(&q->lock);
     /* until a request is there after the batch window (requests of connections that went during the window
      * may have been removed meanwhile: then it starts again) or the queue is closed and empty */
@@ -210,9 +211,12 @@ int queue_take(server_queue *q, int max, double wait_ms, server_request **out) {
         while (!q->count && !q->closed) pthread_cond_wait(&q->nonempty, &q->lock);
         if (!q->count) break;
         if (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && wait_ms > 0) {
-            /* The batch window opens when its oldest request was queued: a request that already waited while
-             * the previous batch ran does not wait again. */
-            double deadline = q->head->t_prepared_ms + wait_ms;
+            /* The batch window opens when its oldest request was queued, or when the model became free if that
+             * is later: a request that queued while the previous batch ran waits for the clients that batch
+             * just answered. Otherwise clients in step fall into split waves (of 4: 3 in one batch, the 4th
+             * alone after it, for good) that take longer than one batch of all of them. */
+            double opened = q->head->t_prepared_ms > model_free_ms ? q->head->t_prepared_ms : model_free_ms;
+            double deadline = opened + wait_ms;
             struct timespec ts = timespec_from_ms(deadline);
             while (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && pi0_now_ms() < deadline)
                 if (pthread_cond_timedwait(&q->nonempty, &q->lock, &ts)) break; /* ETIMEDOUT */
@@ -235,7 +239,12 @@ int queue_take(server_queue *q, int max, double wait_ms, server_request **out) {
 void queue_post_replies(server_queue *q, server_reply *first, server_reply *last) {
     if (!first) return;
     last->next = NULL;
+    int answered = 0;
+    for (server_reply *r = first; r; r = r->next) answered++;
     pthread_mutex_lock(&q->lock);
+    /* Their clients are about to be idle (the network thread sets the exact count once it has written the
+     * replies): the next batch window counts on them coming back. */
+    q->idle_clients += answered;
     if (q->replies_tail) q->replies_tail->next = first;
     else q->replies = first;
     q->replies_tail = last;

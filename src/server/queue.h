@@ -105,11 +105,12 @@ void queue_close(server_queue *q);
 /* Removes the requests whose connection has gone and returns them as a list (linked through `next`). */
 server_request *queue_remove_abandoned(server_queue *q);
 /* Blocks until a request is queued, then collects up to `max` into out[]: while fewer are queued, it waits up
- * to `wait_ms` after the oldest one was queued for more, as long as more can come (a request in preparation,
- * or an idle client). Returns how many (>= 1), or 0 when the queue is closed and empty. */
+ * to `wait_ms` after the oldest one was queued, or after this call began if that is later, for more, as long as
+ * more can come (a request in preparation, or an idle client). Returns how many (>= 1), or 0 when the queue is
+ * closed and empty. */
 int queue_take(server_queue *q, int max, double wait_ms, server_request **out);
 
-/* Appends a list of replies (linked through `next`). */
+/* Appends a list of replies (linked through `next`); their clients count as idle from now on. */
 void queue_post_replies(server_queue *q, server_reply *first, server_reply *last);
 /* Takes every posted reply, oldest first (NULL if none). */
 server_reply *queue_take_replies(server_queue *q);

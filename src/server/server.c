@@ -1,8 +1,9 @@
 /*
  * server.c - the openpi websocket policy server on libwebsockets (see server.h).
  *
- * Threads: the caller's thread runs the lws event loop (every callback below, every connection's state);
- * `prep_threads` threads decode and prepare requests (prep_main); one inference thread owns the model
+ * Threads: the caller's thread runs the lws event loop (every callback below, every connection's state) and
+ * decodes and prepares a robot's usual, small request itself; `prep_threads` threads decode and prepare the
+ * larger ones (prep_main); one inference thread owns the model
  * (worker_main). They share only the queues (server/queue.h): requests carry a connection id and the
  * connection's token, replies come back with the id, and the network thread looks the id up among the
  * live connections when it delivers, so a client that left while its request ran just loses its reply
@@ -48,6 +49,7 @@ enum {
     RX_ALWAYS = 1024 * 1024,          /* a message up to this size is received even past the transit budget, so
                                          that robots' usual requests still go while large ones fill it */
     MAX_IN_FLIGHT = 2,                /* requests of one connection in the server before it stops being read */
+    INLINE_PREPARE_BYTES = 1024 * 1024, /* a request up to this size is prepared on the event loop (conn_request) */
     TICK_US = 50 * 1000,              /* how often the event loop looks at *stop and the timeouts */
     CLOSE_GRACE_MS = 2000,            /* at shutdown, time for connections to finish their close handshake */
     KILL_AFTER_S = 3,                 /* a connection being closed for a timeout is dropped after this, said or not */
@@ -480,6 +482,16 @@ static void conn_request(server *s, conn *c) {
     }
     queue_set_idle(&s->queue, idle_clients(s));
     queue_expect(&s->queue, +1);
+    /* A robot's usual request (two or three camera frames) takes ~0.1 ms to decode and prepare, now that the
+     * backend resizes the frames: less than waking a preparation thread costs, so it is done here. Larger ones
+     * (float frames to convert, many cameras) go to the preparation threads, so that this loop keeps serving
+     * the other clients; so does a connection's request while its earlier one is in the server (replies keep
+     * their order). */
+    if (r->message_size <= INLINE_PREPARE_BYTES && c->in_flight == 1) {
+        if ((r = prepare_request(s, r))) queue_push(&s->queue, r);
+        else queue_expect(&s->queue, -1);
+        return;
+    }
     fifo_push(&s->prep, r);
 }
 

@@ -2,14 +2,15 @@
  * test_cuda_model.c - the CUDA backend end to end, Pi0 and Pi0.5: every fixture at the bf16 tolerance
  * (1e-2 vs openpi's fp32 actions), as a batch (cuBLASLt path) and sample by sample (the skinny path),
  * ragged batches against the CPU oracle, graph replay equal to the eager run, repeated replays
- * identical, several shapes alternating through the graph cache, and the real-size models on random
- * weights within 2e-2 of the CPU backend.
+ * identical, several shapes alternating through the graph cache, camera frames resized on the GPU equal to
+ * their images made on the host, and the real-size models on random weights within 2e-2 of the CPU backend.
  */
 #include <stdlib.h>
 
 #include "cuda/backend.h"
 #include "gpu_check.h"
 #include "io/safetensors.h"
+#include "model/image.h"
 #include "pi0.h"
 
 #define TOL_BF16 1e-2
@@ -353,6 +354,60 @@ TEST(graph_cache_many_shapes) {
     io_close(&f);
 }
 
+/* Fresh random frames of the sizes in `sizes` (one per camera of each sample, masked ones NULL), and the images
+ * openpi's transforms make of them on the host into f->images. */
+static void make_frames(fixture_io *f, const int (*sizes)[2], int nsizes, int offset, pi0_frame *frames) {
+    int C = 3;
+    size_t image = (size_t)224 * 224 * 3;
+    for (int i = 0; i < f->batch.batch * C; i++) {
+        int h = sizes[(i + offset) % nsizes][0], w = sizes[(i + offset) % nsizes][1];
+        free((void *)frames[i].pixels);
+        frames[i] = (pi0_frame){0};
+        if (!f->masks[i]) continue;
+        uint8_t *px = malloc((size_t)h * w * 3);
+        for (size_t k = 0; k < (size_t)h * w * 3; k++) px[k] = (uint8_t)((gpu_uniform() + 1.0f) * 127.99f);
+        frames[i] = (pi0_frame){px, h, w};
+        pi0_image img = {.data = px, .type = PI0_PIXEL_U8, .layout = PI0_LAYOUT_HWC, .height = h, .width = w, .channels = 3};
+        pi0_error err = {0};
+        REQUIRE(pi0_image_preprocess(&img, 224, f->images[i % C] + (size_t)(i / C) * image, &err) == PI0_OK, "%s",
+                err.message);
+    }
+}
+
+/* Camera frames (pi0_batch.frames) resized on the GPU give, bit for bit, the actions of the images the host
+ * makes of them: eager, replayed, replayed with frames of other sizes and contents (the graph reads each call's
+ * frames), and in uniform mode; and the CPU backend's actions for the same frames within the bf16 tolerance. */
+TEST(frames_resized_on_gpu_equal_host_images) {
+    fixture_io f;
+    REQUIRE(io_open(&f, "pi0_tiny") == 0);
+    pi0_model *gpu = load("pi0_tiny", PI0_BACKEND_CUDA), *cpu = load("pi0_tiny", PI0_BACKEND_CPU);
+    REQUIRE(gpu && cpu);
+    const int sizes[][2] = {{256, 256}, {180, 320}, {224, 224}, {37, 500}, {480, 640}, {100, 60}, {1, 1}};
+    pi0_frame frames[3 * 64] = {{0}};
+    size_t n = actions_len(&f.batch);
+    float *from_images = malloc(n * 4), *from_frames = malloc(n * 4), *on_cpu = malloc(n * 4);
+    pi0_error err = {0};
+    f.batch.num_steps = 3;
+    for (int call = 0; call < 4; call++) {
+        if (call != 1) make_frames(&f, sizes, 7, call, frames); /* call 1 replays the same frames */
+        pi0_batch b = f.batch;
+        b.uniform_shape = call == 3;
+        REQUIRE(pi0_sample_actions(gpu, &b, from_images, NULL, &err) == PI0_OK, "%s", err.message);
+        b.images = NULL, b.frames = frames;
+        REQUIRE(pi0_sample_actions(gpu, &b, from_frames, NULL, &err) == PI0_OK, "%s", err.message);
+        CHECK(memcmp(from_images, from_frames, n * 4) == 0, "call %d%s: frames differ from their host images (%.3g)", call,
+              b.uniform_shape ? " (uniform)" : "", rel_error(from_frames, from_images, n));
+        REQUIRE(pi0_sample_actions(cpu, &b, on_cpu, NULL, &err) == PI0_OK, "%s", err.message);
+        double e = rel_error(from_frames, on_cpu, n);
+        fprintf(stderr, "  call %d: frames on the GPU vs the CPU backend %.3g\n", call, e);
+        CHECK(e <= TOL_BF16, "call %d: frames, GPU vs CPU %.3g", call, e);
+    }
+    for (int i = 0; i < 3 * 64; i++) free((void *)frames[i].pixels);
+    free(from_images), free(from_frames), free(on_cpu);
+    pi0_model_free(gpu), pi0_model_free(cpu);
+    io_close(&f);
+}
+
 TEST(bad_input_on_cuda) {
     fixture_io f;
     REQUIRE(io_open(&f, "pi0_tiny") == 0);
@@ -432,6 +487,7 @@ int main(int argc, char **argv) {
     RUN(single_sample_matches_cpu);
     RUN(graph_replay_equals_eager_and_repeats);
     RUN(graph_cache_many_shapes);
+    RUN(frames_resized_on_gpu_equal_host_images);
     RUN(bad_input_on_cuda);
     RUN(full_size_pi0_cuda_vs_cpu);
     RUN(full_size_pi05_cuda_vs_cpu);

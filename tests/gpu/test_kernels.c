@@ -8,6 +8,7 @@
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "gpu_check.h"
+#include "model/image.h"
 
 #define TOL_BF16_OUT 1e-2
 
@@ -368,6 +369,68 @@ TEST(gemm_matches_cpu) {
     gemm_free(&ctx);
 }
 
+/* Uploads one axis's weights (when Pillow resamples along it) and points the job at them. */
+static void upload_axis(int in, int out, const int **first, const int **count, const int32_t **weights, int *taps,
+                        void **owned) {
+    if (in == out) return;
+    pi0_axis_weights k = {0};
+    pi0_error err = {0};
+    REQUIRE(pi0_axis_weights_init(&k, in, out, &err) == PI0_OK, "%s", err.message);
+    *first = owned[0] = dev_upload(k.first, (size_t)out * sizeof(int));
+    *count = owned[1] = dev_upload(k.count, (size_t)out * sizeof(int));
+    *weights = owned[2] = dev_upload(k.weights, (size_t)out * k.max_taps * sizeof(int32_t));
+    *taps = (int)k.max_taps;
+    pi0_axis_weights_free(&k);
+}
+
+/* The device resize (frames -> model input) against model/image.c on the host, bit for bit: shrinking,
+ * enlarging, thin frames, the model's own size (a copy), wide sums past int32's exact range (S = 2), and a
+ * masked camera (zeros). Several frames in one launch, as a batch has. */
+TEST(frames_to_images_equal_host) {
+    const int cases[][3] = {{256, 256, 224}, {180, 320, 224}, {224, 224, 224}, {1, 1, 224}, {100, 60, 224},
+                            {4096, 7, 224}, {3, 4096, 2}, {333, 1, 16}, {481, 641, 224}};
+    int n = (int)(sizeof cases / sizeof cases[0]);
+    for (int i = 0; i <= n; i++) { /* case n: a masked camera */
+        int h = cases[i % n][0], w = cases[i % n][1], S = cases[i % n][2];
+        size_t bytes = (size_t)h * w * 3, out = (size_t)S * S * 3;
+        uint8_t *px = malloc(bytes);
+        for (size_t k = 0; k < bytes; k++) px[k] = (uint8_t)((gpu_uniform() + 1.0f) * 127.99f);
+        if (i < n / 2) /* flat regions and extremes as well as noise: Pillow's clip8 saturates at both ends */
+            for (size_t k = 0; k < bytes; k++) px[k] = (k / 3) % 7 < 3 ? 255 * ((k / 97) & 1) : px[k];
+        float *ref = malloc(out * sizeof(float)), *got = malloc(out * sizeof(float));
+        pi0_image img = {.data = px, .type = PI0_PIXEL_U8, .layout = PI0_LAYOUT_HWC, .height = h, .width = w, .channels = 3};
+        pi0_error err = {0};
+        REQUIRE(pi0_image_preprocess(&img, S, ref, &err) == PI0_OK, "%s", err.message);
+        pi0_frame_job job = {.height = h, .width = w};
+        void *owned[7] = {NULL};
+        pi0_resize_with_pad_geometry(h, w, S, S, &job.new_h, &job.new_w, &job.pad_y, &job.pad_x);
+        upload_axis(w, job.new_w, &job.x_first, &job.x_count, &job.x_weights, &job.x_taps, owned);
+        upload_axis(h, job.new_h, &job.y_first, &job.y_count, &job.y_weights, &job.y_taps, owned + 3);
+        job.pixels = owned[6] = dev_upload(px, bytes);
+        if (i == n) {
+            job.pixels = NULL;
+            memset(ref, 0, out * sizeof(float));
+        }
+        pi0_frame_job jobs[2] = {job, job};
+        jobs[0].pixels = NULL; /* the first of two frames is masked: the second must not read its job */
+        pi0_frame_job *djobs = dev_upload(jobs, sizeof jobs);
+        float *dout = dev_poisoned(2 * out * sizeof(float));
+        CUDA_OK(pi0_cuda_frames_to_images(dout, djobs, 2, S, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        CUDA_OK(cudaMemcpy(got, dout + out, out * sizeof(float), cudaMemcpyDeviceToHost));
+        size_t at = 0;
+        while (at < out && got[at] == ref[at]) at++;
+        CHECK(at == out, "%dx%d -> %d%s: differs at (y %zu, x %zu, c %zu): %g, host %g", h, w, S, i == n ? " masked" : "",
+              at / (S * 3), at / 3 % S, at % 3, at < out ? got[at] : 0, at < out ? ref[at] : 0);
+        CUDA_OK(cudaMemcpy(got, dout, out * sizeof(float), cudaMemcpyDeviceToHost));
+        for (at = 0; at < out && got[at] == 0.0f; at++) continue;
+        CHECK(at == out, "the masked frame's image is not zeros");
+        for (int k = 0; k < 7; k++) cudaFree(owned[k]);
+        cudaFree(djobs), cudaFree(dout);
+        free(px), free(ref), free(got);
+    }
+}
+
 int main(int argc, char **argv) {
     check_init(argc, argv);
     gpu_seed();
@@ -376,6 +439,7 @@ int main(int argc, char **argv) {
     RUN(rmsnorm_mod_and_gated_add_match_cpu);
     RUN(gelu_mul_matches_cpu);
     RUN(rope_qkv_matches_cpu);
+    RUN(frames_to_images_equal_host);
     RUN(im2col_and_bias_pos);
     RUN(assemble_prefix_and_suffix);
     RUN(linear_small_k_matches_cpu);

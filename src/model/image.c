@@ -11,7 +11,7 @@
  * first. Pillow 12.2 (images over 100x taller than wide) and 13.0 (height shrinking by more than twice the
  * width's shrink) run the vertical pass first, which moves some pixels of such images by 1.
  */
-#include "policy/image.h"
+#include "model/image.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -20,7 +20,7 @@
 #include "util/error.h"
 
 /* Pillow's PRECISION_BITS (32 - 8 - 2): fixed-point weights are round(w * 2^22). */
-#define PRECISION_BITS 22
+#define PRECISION_BITS PI0_RESIZE_PRECISION_BITS
 /* Sides above this are refused so that every index and bound below fits an int (Pillow uses int too). */
 #define MAX_SIDE (1 << 24)
 
@@ -32,16 +32,7 @@ static double bilinear_filter(double x) {
     return x < 1.0 ? 1.0 - x : 0.0;
 }
 
-/* Output sample i along one axis is the weighted sum of input samples first[i] .. first[i] + count[i] - 1
- * with the fixed-point weights weights[i * max_taps + t]. */
-typedef struct {
-    int *first;
-    int *count;
-    int32_t *weights;
-    size_t max_taps;
-} axis_kernel;
-
-static void axis_kernel_free(axis_kernel *k) {
+void pi0_axis_weights_free(pi0_axis_weights *k) {
     free(k->first);
     free(k->count);
     free(k->weights);
@@ -49,7 +40,7 @@ static void axis_kernel_free(axis_kernel *k) {
 
 /* Fixed-point weights of output sample `out_index` (Pillow's precompute_coeffs loop body followed by
  * normalize_coeffs_8bpc), in the same double operations and the same order. */
-static void axis_kernel_sample(axis_kernel *k, int out_index, int in_size, double scale, double filter_scale,
+static void axis_kernel_sample(pi0_axis_weights *k, int out_index, int in_size, double scale, double filter_scale,
                                double support, double *w) {
     double center = (out_index + 0.5) * scale;
     double inv_filter_scale = 1.0 / filter_scale;
@@ -76,8 +67,9 @@ static void axis_kernel_sample(axis_kernel *k, int out_index, int in_size, doubl
 }
 
 /* Pillow's precompute_coeffs for the default box (0, in_size): the filter keeps its own width when
- * enlarging and is stretched by in/out when shrinking, which is what antialiases downscaled images. */
-static pi0_status axis_kernel_init(axis_kernel *k, int in_size, int out_size, pi0_error *err) {
+ * enlarging and is stretched by in/out when shrinking, which is what antialiases downscaled images.
+ * The caller has checked the sizes (1 .. MAX_SIDE). */
+pi0_status pi0_axis_weights_init(pi0_axis_weights *k, int in_size, int out_size, pi0_error *err) {
     /* Pillow takes the box as floats: scale = (double)(in1 - in0) / outSize. */
     double scale = (double)(float)in_size / out_size;
     double filter_scale = scale < 1.0 ? 1.0 : scale;
@@ -89,7 +81,7 @@ static pi0_status axis_kernel_init(axis_kernel *k, int in_size, int out_size, pi
     double *w = malloc(k->max_taps * sizeof *w);
     if (!k->first || !k->count || !k->weights || !w) {
         free(w);
-        axis_kernel_free(k);
+        pi0_axis_weights_free(k);
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for the resampling weights of %d -> %d pixels",
                         in_size, out_size);
     }
@@ -108,14 +100,13 @@ static uint8_t clip8(int64_t acc) {
 /*
  * ImagingResampleHorizontal_8bpc: along each of `rows` rows, output pixel i gets, per RGB channel,
  * clip8(2^21 + sum_t w[t] * in[first + t]), the 2^21 rounding the fixed-point sum to nearest. Pillow
- * accumulates in int, which is exact while the weights' sum stays near 2^22 (few taps: every resize a
- * policy does); int64 keeps huge shrink factors exact too.
+ * accumulates in int, which is exact while the weights' sum stays near 2^22 (up to PI0_RESIZE_INT32_TAPS
+ * taps: every resize a policy does); int64 keeps huge shrink factors exact too.
  */
-#define INT32_SAFE_TAPS 4096
 
-static void resample_rows(const axis_kernel *k, int out_w, int rows, const uint8_t *src, size_t src_row, uint8_t *dst,
+static void resample_rows(const pi0_axis_weights *k, int out_w, int rows, const uint8_t *src, size_t src_row, uint8_t *dst,
                           size_t dst_row) {
-    int narrow = k->max_taps <= INT32_SAFE_TAPS;
+    int narrow = k->max_taps <= PI0_RESIZE_INT32_TAPS;
     for (int y = 0; y < rows; y++) {
         const uint8_t *in = src + (size_t)y * src_row;
         uint8_t *out = dst + (size_t)y * dst_row;
@@ -142,10 +133,10 @@ static void resample_rows(const axis_kernel *k, int out_w, int rows, const uint8
  * first[i] .. first[i] + count[i] - 1. Row by row (each tap a contiguous row, one accumulator per byte of
  * the row), which gives the same integer sums as Pillow's order and lets the compiler vectorize.
  */
-static void resample_columns(const axis_kernel *k, int out_h, size_t row_bytes, const uint8_t *src, size_t src_row,
+static void resample_columns(const pi0_axis_weights *k, int out_h, size_t row_bytes, const uint8_t *src, size_t src_row,
                              uint8_t *dst, size_t dst_row, int64_t *acc) {
     int32_t *acc32 = (int32_t *)acc;
-    int narrow = k->max_taps <= INT32_SAFE_TAPS;
+    int narrow = k->max_taps <= PI0_RESIZE_INT32_TAPS;
     for (int i = 0; i < out_h; i++) {
         const int32_t *w = k->weights + (size_t)i * k->max_taps;
         uint8_t *out = dst + (size_t)i * dst_row;
@@ -181,11 +172,11 @@ static pi0_status pillow_resize_bilinear(const uint8_t *src, int height, int wid
         return PI0_OK;
     }
 
-    axis_kernel kx = {0}, ky = {0};
+    pi0_axis_weights kx = {0}, ky = {0};
     uint8_t *tmp = NULL;
     pi0_status st = PI0_OK;
-    if (horizontal && (st = axis_kernel_init(&kx, width, new_w, err)) != PI0_OK) return st;
-    if (vertical && (st = axis_kernel_init(&ky, height, new_h, err)) != PI0_OK) goto done;
+    if (horizontal && (st = pi0_axis_weights_init(&kx, width, new_w, err)) != PI0_OK) return st;
+    if (vertical && (st = pi0_axis_weights_init(&ky, height, new_h, err)) != PI0_OK) goto done;
 
     /* the vertical pass reads `rows` rows of row_bytes: the horizontal pass's output, or the source */
     size_t row_bytes = (size_t)(horizontal ? new_w : width) * 3;
@@ -206,8 +197,8 @@ static pi0_status pillow_resize_bilinear(const uint8_t *src, int height, int wid
     }
 done:
     free(tmp);
-    axis_kernel_free(&kx);
-    axis_kernel_free(&ky);
+    pi0_axis_weights_free(&kx);
+    pi0_axis_weights_free(&ky);
     return st;
 }
 
@@ -221,8 +212,8 @@ done:
  * openpi raises (Pillow: "height and width must be > 0") when a very thin image's short side rounds to
  * 0 pixels; here that side keeps 1 pixel instead, so every image gets an answer.
  */
-static void resize_with_pad_geometry(int height, int width, int out_h, int out_w, int *new_h, int *new_w, int *pad_y,
-                                     int *pad_x) {
+void pi0_resize_with_pad_geometry(int height, int width, int out_h, int out_w, int *new_h, int *new_w, int *pad_y,
+                                  int *pad_x) {
     double ratio_w = (double)width / out_w, ratio_h = (double)height / out_h;
     double ratio = ratio_w >= ratio_h ? ratio_w : ratio_h;
     *new_h = (int)(height / ratio);
@@ -257,7 +248,7 @@ pi0_status pi0_resize_with_pad_u8(const uint8_t *src, int height, int width, int
         return PI0_OK;
     }
     int new_h, new_w, pad_y, pad_x;
-    resize_with_pad_geometry(height, width, out_h, out_w, &new_h, &new_w, &pad_y, &pad_x);
+    pi0_resize_with_pad_geometry(height, width, out_h, out_w, &new_h, &new_w, &pad_y, &pad_x);
     /* Image.new(mode, (width, height), 0) then paste at (pad_width, pad_height). */
     memset(dst, 0, (size_t)out_h * dst_row);
     uint8_t *region = dst + (size_t)pad_y * dst_row + (size_t)pad_x * 3;
@@ -282,6 +273,10 @@ static uint8_t float_to_u8_like_numpy(float x) {
 
 /* CHW -> HWC (openpi: einops.rearrange(image, "c h w -> h w c")) and float -> uint8, in one sweep. */
 static void image_to_hwc_u8(const pi0_image *img, uint8_t *hwc) {
+    if (img->layout == PI0_LAYOUT_HWC && img->type == PI0_PIXEL_U8) { /* already openpi's uint8 HWC */
+        memcpy(hwc, img->data, (size_t)img->height * img->width * 3);
+        return;
+    }
     size_t h = (size_t)img->height, w = (size_t)img->width;
     const uint8_t *u8 = img->data;
     const float *f32 = img->data;
@@ -293,7 +288,7 @@ static void image_to_hwc_u8(const pi0_image *img, uint8_t *hwc) {
             }
 }
 
-static pi0_status check_image(const pi0_image *img, int out_size, const float *out, pi0_error *err) {
+static pi0_status check_image(const pi0_image *img, int out_size, const void *out, pi0_error *err) {
     if (!img || !img->data || !out) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "image: NULL image or output");
     if (img->type != PI0_PIXEL_U8 && img->type != PI0_PIXEL_F32)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "image: unknown pixel type %d", (int)img->type);
@@ -307,6 +302,13 @@ static pi0_status check_image(const pi0_image *img, int out_size, const float *o
                         "image of shape (%d, %d, %d) %s: expected 3 channels and sides in 1 .. %d", d0, d1, d2,
                         chw ? "CHW" : "HWC", MAX_SIDE);
     return check_side("image output size", out_size, err);
+}
+
+pi0_status pi0_image_to_frame(const pi0_image *img, uint8_t *hwc, pi0_error *err) {
+    pi0_status st = check_image(img, 1, hwc, err);
+    if (st != PI0_OK) return st;
+    image_to_hwc_u8(img, hwc);
+    return PI0_OK;
 }
 
 pi0_status pi0_image_preprocess(const pi0_image *img, int out_size, float *out, pi0_error *err) {

@@ -1,0 +1,107 @@
+/*
+ * test_queue.c - the server's batch queue (src/server/queue.c): when the inference thread takes a batch.
+ * A single robot never waits; a window waits for clients that can still come and no longer than
+ * --batch-wait-ms; and the clients a batch has just answered count as idle, so that a request that queued
+ * while that batch ran waits for them (clients in step keep sharing one batch).
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "check.h"
+#include "server/queue.h"
+#include "util/clock.h"
+
+static server_request *request_at(double t_prepared_ms) {
+    server_request *r = calloc(1, sizeof *r);
+    r->t_prepared_ms = t_prepared_ms;
+    return r;
+}
+
+static void push(server_queue *q, double t_prepared_ms) {
+    queue_expect(q, +1);
+    queue_push(q, request_at(t_prepared_ms));
+}
+
+static int take(server_queue *q, int max, double wait_ms, double *took_ms) {
+    server_request *out[64];
+    double t0 = pi0_now_ms();
+    int n = queue_take(q, max, wait_ms, out);
+    *took_ms = pi0_now_ms() - t0;
+    for (int i = 0; i < n; i++) server_request_free(out[i]);
+    return n;
+}
+
+static void post_replies(server_queue *q, int n) {
+    server_reply *first = NULL;
+    for (int i = 0; i < n; i++) {
+        server_reply *r = calloc(1, sizeof *r);
+        r->next = first;
+        first = r;
+    }
+    server_reply *last = first;
+    while (last && last->next) last = last->next;
+    queue_post_replies(q, first, last);
+    for (server_reply *r = queue_take_replies(q), *next; r; r = next) next = r->next, server_reply_free(r);
+}
+
+TEST(single_robot_never_waits) {
+    server_queue q;
+    REQUIRE(queue_init(&q) == 0);
+    queue_set_idle(&q, 0); /* the only client has its request in the server */
+    push(&q, pi0_now_ms());
+    double ms;
+    CHECK(take(&q, 8, 500, &ms) == 1 && ms < 50, "took %.1f ms", ms);
+    queue_destroy(&q);
+}
+
+TEST(window_is_bounded_by_batch_wait) {
+    server_queue q;
+    REQUIRE(queue_init(&q) == 0);
+    queue_set_idle(&q, 3); /* three clients that send nothing */
+    push(&q, pi0_now_ms());
+    double ms;
+    CHECK(take(&q, 8, 30, &ms) == 1 && ms >= 25 && ms < 500, "took %.1f ms", ms);
+    queue_destroy(&q);
+}
+
+typedef struct {
+    server_queue *q;
+    int count;
+    double after_ms;
+} late_pushes;
+
+static void *push_later(void *arg) {
+    late_pushes *l = arg;
+    struct timespec ts = {0, (long)(l->after_ms * 1e6)};
+    nanosleep(&ts, NULL);
+    for (int i = 0; i < l->count; i++) push(l->q, pi0_now_ms());
+    queue_set_idle(l->q, 0);
+    return NULL;
+}
+
+/* Four clients in step, split: 3 answered by the batch that just ran, the 4th queued while it ran. The 4th
+ * waits for the 3 (they come back 10 ms later) and the four run as one batch. */
+TEST(answered_clients_are_waited_for) {
+    server_queue q;
+    REQUIRE(queue_init(&q) == 0);
+    queue_set_idle(&q, 0);
+    push(&q, pi0_now_ms() - 300); /* queued long ago, while the previous batch ran */
+    post_replies(&q, 3);          /* that batch's replies: their clients are about to be idle */
+    late_pushes l = {&q, 3, 10};
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, push_later, &l) == 0);
+    double ms;
+    int n = take(&q, 8, 200, &ms); /* the window opens now, not 300 ms ago when the 4th was queued */
+    pthread_join(t, NULL);
+    CHECK(n == 4 && ms >= 8 && ms < 190, "batch of %d after %.1f ms (want 4 after the 3 came back)", n, ms);
+    queue_destroy(&q);
+}
+
+int main(int argc, char **argv) {
+    check_init(argc, argv);
+    RUN(single_robot_never_waits);
+    RUN(window_is_bounded_by_batch_wait);
+    RUN(answered_clients_are_waited_for);
+    return check_finish();
+}
