@@ -59,7 +59,6 @@ struct pi0_policy {
     int capacity;
     pi0_frame *frames;  /* (capacity, cameras): the prepared observations' (not owned) */
     uint8_t *image_masks, *prompt_mask;
-    uint8_t *blank_frame; /* S x S x 3 zeros: warm-up's frames */
     int32_t *prompt_ids;
     float *state, *noise, *actions;
     int *source;        /* batch slot -> index of the observation */
@@ -69,9 +68,9 @@ struct pi0_policy {
 /* ---- opening ------------------------------------------------------------------------------------------- */
 
 static void free_buffers(pi0_policy *p) {
-    free(p->frames), free(p->image_masks), free(p->prompt_mask), free(p->prompt_ids), free(p->blank_frame);
+    free(p->frames), free(p->image_masks), free(p->prompt_mask), free(p->prompt_ids);
     free(p->state), free(p->noise), free(p->actions), free(p->source), free(p->owned);
-    p->frames = NULL, p->image_masks = p->prompt_mask = p->blank_frame = NULL, p->prompt_ids = NULL;
+    p->frames = NULL, p->image_masks = p->prompt_mask = NULL, p->prompt_ids = NULL;
     p->state = p->noise = p->actions = NULL, p->source = NULL, p->owned = NULL;
     p->capacity = 0;
 }
@@ -577,10 +576,9 @@ static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
     if (count <= p->capacity) return PI0_OK;
     free_buffers(p);
     const pi0_dims *d = pi0_model_dims(p->model);
-    size_t n = (size_t)count, S = (size_t)d->image_size, L = (size_t)d->max_token_len;
+    size_t n = (size_t)count, L = (size_t)d->max_token_len;
     size_t per_chunk = (size_t)p->horizon * d->action_dim;
     p->frames = calloc(n * p->num_cameras + 1, sizeof *p->frames);
-    p->blank_frame = calloc(S * S * 3, 1);
     p->image_masks = calloc(n * p->num_cameras + 1, 1);
     p->prompt_ids = calloc(n * L + 1, sizeof(int32_t));
     p->prompt_mask = calloc(n * L + 1, 1);
@@ -589,7 +587,7 @@ static pi0_status ensure_capacity(pi0_policy *p, int count, pi0_error *err) {
     p->actions = malloc(n * per_chunk * sizeof(float));
     p->source = malloc(n * sizeof(int));
     p->owned = calloc(n, sizeof *p->owned);
-    if (!p->frames || !p->blank_frame || !p->image_masks || !p->prompt_ids || !p->prompt_mask || !p->state || !p->noise || !p->actions ||
+    if (!p->frames || !p->image_masks || !p->prompt_ids || !p->prompt_mask || !p->state || !p->noise || !p->actions ||
         !p->source || !p->owned) {
         free_buffers(p);
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for a batch of %d observations", count);
@@ -797,7 +795,12 @@ pi0_status pi0_policy_warmup(pi0_policy *p, int max_batch, double *seconds, pi0_
     pi0_status st = ensure_capacity(p, batch_rows(p, max_batch), err);
     const pi0_dims *d = pi0_model_dims(p->model);
     size_t L = (size_t)d->max_token_len;
-    pi0_frame blank = {p->blank_frame, d->image_size, d->image_size};
+    /* Frames of twice the model's side: the backend's frame buffers (CUDA: staging, sized with 2x headroom) then
+     * hold a batch of frames up to ~630 x 630 pixels (a 640 x 480 camera) without growing on a request's path. */
+    int side = 2 * d->image_size > PI0_MAX_IMAGE_SIDE ? PI0_MAX_IMAGE_SIDE : 2 * d->image_size;
+    uint8_t *pixels = calloc((size_t)side * side * 3, 1);
+    pi0_frame blank = {pixels, side, side};
+    if (!st && !pixels) st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for warm-up frames");
     for (int rows = prompt_rows(p, (int)L); !st && rows >= 1;
          rows = rows > PROMPT_BUCKET ? prompt_rows(p, rows - PROMPT_BUCKET) : 0) {
         for (int b = batch_rows(p, max_batch); !st && b >= 1; b = b > BATCH_EXACT ? b - BATCH_EXACT : b - 1) {
@@ -811,6 +814,7 @@ pi0_status pi0_policy_warmup(pi0_policy *p, int max_batch, double *seconds, pi0_
             st = run_batch(p, b, rows, &model_ms, err);
         }
     }
+    free(pixels);
     if (seconds) *seconds = (pi0_now_ms() - t0) / 1e3;
     return st;
 }

@@ -1,8 +1,8 @@
 /*
  * test_cuda_policy.c - a server's rule on the GPU: after pi0_policy_warmup, no request captures a CUDA
  * graph, whatever its batch size (up to the warm-up's, padded ones included), prompt length or which
- * optional cameras it brings; and every such request still gives the CPU policy's actions (bf16
- * tolerance). Pi0 and Pi0.5, the tiny fixtures' dims with random weights, a generic adapter whose wrist
+ * optional cameras it brings, nor allocates GPU memory for 640 x 480 frames; and every such request still
+ * gives the CPU policy's actions (bf16 tolerance). Pi0 and Pi0.5, the tiny fixtures' dims with random weights, a generic adapter whose wrist
  * camera may be missing.
  */
 #include <stdlib.h>
@@ -60,10 +60,12 @@ static pi0_policy *open_policy(pi0_model_kind kind, pi0_backend backend) {
     return p;
 }
 
-/* A random observation: frames of odd sizes, the wrist camera left out one time in three. */
+/* A random observation: frames of odd sizes (640 x 480 in one round of five), the wrist camera left out one
+ * time in three. */
 static void random_observation(pi0_observation *obs, int round, int i) {
     pi0_error err = {0};
     int h = 40 + (int)(30 * (gpu_uniform() + 1)), w = 60 + (int)(40 * (gpu_uniform() + 1));
+    if (round % 5 == 2) h = 480, w = 640;
     uint8_t *frame = malloc((size_t)h * w * 3);
     for (size_t k = 0; k < (size_t)h * w * 3; k++) frame[k] = (uint8_t)(128 + 127 * gpu_uniform());
     pi0_observation_add_array(obs, "top", PI0_DTYPE_U8, 3, (int64_t[]){h, w, 3}, frame, &err);
@@ -94,7 +96,7 @@ static void no_capture_after_warmup(pi0_model_kind kind) {
     double seconds = 0;
     REQUIRE(pi0_policy_warmup(gpu, MAX_BATCH, &seconds, &err) == PI0_OK, "%s", err.message);
     const pi0_model *m = pi0_policy_model(gpu);
-    uint64_t captured = pi0_model_graph_captures(m);
+    uint64_t captured = pi0_model_graph_captures(m), device_bytes = pi0_model_device_memory(m);
     fprintf(stderr, "  %s: warm-up of batches 1..%d took %.2f s, %llu graphs\n", pi0_model_kind_name(kind), MAX_BATCH,
             seconds, (unsigned long long)captured);
     CHECK(captured > 0);
@@ -141,6 +143,8 @@ static void no_capture_after_warmup(pi0_model_kind kind) {
         requests += n;
         CHECK(pi0_model_graph_captures(m) == captured, "round %d (batch %d): %llu graphs captured after warm-up", round,
               n, (unsigned long long)(pi0_model_graph_captures(m) - captured));
+        CHECK(pi0_model_device_memory(m) == device_bytes, "round %d (batch %d): GPU memory grew by %.1f MB after warm-up",
+              round, n, (double)(pi0_model_device_memory(m) - device_bytes) / 1e6);
     }
     fprintf(stderr, "  %d requests (%d without the wrist camera): worst GPU vs CPU %.3g\n", requests, missing_wrist,
             worst);
