@@ -268,7 +268,7 @@ static size_t frame_bytes(const pi0_frame *f, const frame_plan *fp) {
     return bytes;
 }
 
-/* Copies n values of `size` bytes to the staging buffer at c (host), returning their device address. */
+/* Copies `size` bytes to the staging buffer at c (host), returning the device address they will have there. */
 static void *stage(carver *c, const cuda_state *s, const void *src, size_t size) {
     void *host = carve(c, size);
     memcpy(host, src, size);

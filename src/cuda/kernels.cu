@@ -230,12 +230,12 @@ static __global__ void frames_to_images_kernel(float *images, const pi0_frame_jo
     const pi0_frame_job j = jobs[blockIdx.y];
     int y = blockIdx.x, row_values = image_size * 3, yy = y - j.pad_y;
     float *out = images + ((size_t)blockIdx.y * image_size + y) * row_values;
+    if (!j.pixels) { /* a masked camera */
+        for (int i = threadIdx.x; i < row_values; i += blockDim.x) out[i] = 0.0f;
+        return;
+    }
     for (int i = threadIdx.x; i < row_values; i += blockDim.x) {
-        int xx = i / 3 - j.pad_x, c = i % 3, v = 0;
-        if (!j.pixels) {
-            out[i] = 0.0f;
-            continue;
-        }
+        int xx = i / 3 - j.pad_x, c = i % 3, v = 0; /* the padding is byte 0 */
         if (yy >= 0 && yy < j.new_h && xx >= 0 && xx < j.new_w) {
             if (!j.y_weights) {
                 v = horizontal(j, yy, xx, c);
