@@ -10,8 +10,10 @@ clients connect and warm up first, then start together; the figures cover the ti
                  took over 2 x p50)
     batch size   the server's server_timing.batch_size (pi0 serve), mean and max, when the server sends it
     breakdown    pi0 serve's server_timing, mean per request: receive, prep_queue, decode, prepare, queue, model,
-                 encode, and the previous reply's send; `other` is the client's latency minus all of those (the
-                 client's packing and unpacking, and the network)
+                 encode, and the previous reply's send; then the client's own steps, timed around openpi's
+                 client's calls: client_pack (msgpack), client_send (masking and writing the frame: overlaps the
+                 server's receive), client_unpack; `other` is the latency minus the server's parts, the pack and
+                 the unpack (the wire, the wake-ups, and the client waiting on its reader thread)
 
 Observations are robots' camera frames at their native sizes (LIBERO 256x256, DROID 180x320). --vary gives
 every request a prompt of a different length (1 to ~40 tokens); --drop-camera P leaves the wrist camera out of
@@ -42,6 +44,24 @@ PROMPTS = ["go", "pick up the cup", "put the black bowl on the plate", "open the
            "put both the cream cheese box and the butter in the basket, then close the lid of the basket carefully"]
 BREAKDOWN = ["receive_ms", "prep_queue_ms", "decode_ms", "prepare_ms", "queue_ms", "model_ms", "encode_ms",
              "prev_send_ms"]
+CLIENT = ["client_pack_ms", "client_send_ms", "client_unpack_ms"]
+
+
+def infer_timed(policy, obs):
+    """openpi's WebsocketClientPolicy.infer, step by step (the same calls), with each step's milliseconds."""
+    t0 = time.perf_counter()
+    data = policy._packer.pack(obs)
+    t1 = time.perf_counter()
+    policy._ws.send(data)
+    t2 = time.perf_counter()
+    response = policy._ws.recv()
+    t3 = time.perf_counter()
+    if isinstance(response, str):
+        raise RuntimeError(f"Error in inference server:\n{response}")
+    reply = msgpack_numpy.unpackb(response)
+    t4 = time.perf_counter()
+    return reply, (t4 - t0) * 1e3, {"client_pack_ms": (t1 - t0) * 1e3, "client_send_ms": (t2 - t1) * 1e3,
+                                    "client_unpack_ms": (t4 - t3) * 1e3}
 WRIST = {"libero": "observation/wrist_image", "droid": "observation/wrist_image_left"}
 
 
@@ -103,16 +123,15 @@ def run_client(args, index, barrier, out):
         k = 0
         while (k < args.requests) if end is None else (time.monotonic() < end):
             one = request(args, obs, rng)
-            t = time.monotonic()
-            reply = policy.infer(one)
-            ms = (time.monotonic() - t) * 1e3
+            reply, ms, client = infer_timed(policy, one)
             result["latencies"].append(ms)
             timing = reply.get("server_timing", {})
             result["slowest"] = sorted(result.get("slowest", []) + [(round(ms, 2), {k: round(float(v), 3) for k, v in
                                        timing.items()}, round(time.monotonic() - result["t0"], 2))], key=lambda x: -x[0])[:3]
             if timing.get("batch_size") is not None:
                 result["batches"].append(int(timing["batch_size"]))
-            result["timings"].append({key: float(timing.get(key, 0.0)) for key in BREAKDOWN if key in timing})
+            result["timings"].append({**{key: float(timing.get(key, 0.0)) for key in BREAKDOWN if key in timing},
+                                      **client})
             k += 1
     except Exception as e:  # noqa: BLE001
         result["error"] = f"client {index} request {len(result['latencies'])}: {type(e).__name__}: {e}"
@@ -178,8 +197,9 @@ def main():
     timings = [t for r in results for t in r["timings"]]
     breakdown = None
     if timings and any(timings):
-        breakdown = {k: round(float(np.mean([t.get(k, 0.0) for t in timings])), 3) for k in BREAKDOWN}
-        breakdown["other_ms"] = round(float(lat.mean()) - sum(v for k, v in breakdown.items() if k != "prev_send_ms"), 3)
+        breakdown = {k: round(float(np.mean([t.get(k, 0.0) for t in timings])), 3) for k in BREAKDOWN + CLIENT}
+        counted = [k for k in breakdown if k not in ("prev_send_ms", "client_send_ms")]
+        breakdown["other_ms"] = round(float(lat.mean()) - sum(breakdown[k] for k in counted), 3)
     started = [r["t0"] for r in results if r["t0"] is not None]
     finished = [r["t1"] for r in results if r["t1"] is not None]
     wall = (max(finished) - min(started)) if started and finished else float("nan")
@@ -225,7 +245,7 @@ def main():
             line += f"   batch size mean {s['batch_size']['mean']} (max {s['batch_size']['max']})"
         print(line + f"   errors {s['errors']}")
         if breakdown:
-            print("server_timing means (ms): " + "  ".join(f"{k[:-3]} {v}" for k, v in breakdown.items()))
+            print("means (ms): " + "  ".join(f"{k[:-3]} {v}" for k, v in breakdown.items()))
     for e in errors[:5]:
         print(f"serve_load: {e}", file=sys.stderr)
     return 1 if errors else 0
