@@ -2,7 +2,8 @@
  * test_queue.c - the server's batch queue (src/server/queue.c): when the inference thread takes a batch.
  * A single robot never waits; a window waits for clients that can still come and no longer than
  * --batch-wait-ms; and the clients a batch has just answered count as idle, so that a request that queued
- * while that batch ran waits for them (clients in step keep sharing one batch).
+ * while that batch ran waits for them (clients in step keep sharing one batch), and a client's reply going out
+ * reopens the window for it.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -98,10 +99,41 @@ TEST(answered_clients_are_waited_for) {
     queue_destroy(&q);
 }
 
+typedef struct {
+    server_queue *q;
+} answering;
+
+static void *answer_then_send(void *arg) {
+    server_queue *q = ((answering *)arg)->q;
+    struct timespec ts = {0, 40 * 1000000L}, then = {0, 30 * 1000000L};
+    nanosleep(&ts, NULL);
+    queue_answered(q, 1); /* a client's reply has just gone out, 40 ms into a 60 ms window */
+    nanosleep(&then, NULL);
+    push(q, pi0_now_ms()); /* its next request, ~70 ms in: past the first window, inside the reopened one */
+    queue_set_idle(q, 0);
+    return NULL;
+}
+
+TEST(a_reply_reopens_the_window) {
+    server_queue q;
+    REQUIRE(queue_init(&q) == 0);
+    queue_set_idle(&q, 1);
+    push(&q, pi0_now_ms());
+    answering a = {&q};
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, answer_then_send, &a) == 0);
+    double ms;
+    int n = take(&q, 8, 60, &ms);
+    pthread_join(t, NULL);
+    CHECK(n == 2 && ms >= 65 && ms < 99, "batch of %d after %.1f ms (want 2 after ~70 ms)", n, ms);
+    queue_destroy(&q);
+}
+
 int main(int argc, char **argv) {
     check_init(argc, argv);
     RUN(single_robot_never_waits);
     RUN(window_is_bounded_by_batch_wait);
     RUN(answered_clients_are_waited_for);
+    RUN(a_reply_reopens_the_window);
     return check_finish();
 }

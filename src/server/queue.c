@@ -168,12 +168,17 @@ void queue_push(server_queue *q, server_request *r) {
     pthread_mutex_unlock(&q->lock);
 }
 
-void queue_set_idle(server_queue *q, int idle_clients) {
+/* answered_ms < 0: unchanged */
+static void set_idle(server_queue *q, int idle_clients, double answered_ms) {
     pthread_mutex_lock(&q->lock);
     q->idle_clients = idle_clients;
-    pthread_cond_signal(&q->nonempty); /* a batch waiting for idle clients may go now */
+    if (answered_ms >= 0) q->answered_ms = answered_ms;
+    pthread_cond_signal(&q->nonempty); /* a batch waiting for idle clients may go now, or wait longer */
     pthread_mutex_unlock(&q->lock);
 }
+
+void queue_set_idle(server_queue *q, int idle_clients) { set_idle(q, idle_clients, -1); }
+void queue_answered(server_queue *q, int idle_clients) { set_idle(q, idle_clients, pi0_now_ms()); }
 
 server_request *queue_remove_abandoned(server_queue *q) {
     int removed;
@@ -210,16 +215,17 @@ int queue_take(server_queue *q, int max, double wait_ms, server_request **out) {
     while (q->count || !q->closed) {
         while (!q->count && !q->closed) pthread_cond_wait(&q->nonempty, &q->lock);
         if (!q->count) break;
-        if (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && wait_ms > 0) {
-            /* The batch window opens when its oldest request was queued, or when the model became free if that
-             * is later: a request that queued while the previous batch ran waits for the clients that batch
-             * just answered. Otherwise clients in step fall into split waves (of 4: 3 in one batch, the 4th
-             * alone after it, for good) that take longer than one batch of all of them. */
+        /* The batch window opens when its oldest request was queued, when the model became free, or when a client
+         * last got its reply, whichever is latest: a request that queued while the previous batch ran waits for
+         * the clients that batch answered to send again. Otherwise clients in step fall into split waves (of 4:
+         * 3 in one batch, the 4th alone after it) that take longer than one batch of all of them. */
+        while (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && wait_ms > 0) {
             double opened = q->head->t_prepared_ms > model_free_ms ? q->head->t_prepared_ms : model_free_ms;
-            double deadline = opened + wait_ms;
-            struct timespec ts = timespec_from_ms(deadline);
-            while (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && pi0_now_ms() < deadline)
-                if (pthread_cond_timedwait(&q->nonempty, &q->lock, &ts)) break; /* ETIMEDOUT */
+            if (q->answered_ms > opened) opened = q->answered_ms;
+            if (pi0_now_ms() >= opened + wait_ms) break;
+            struct timespec ts = timespec_from_ms(opened + wait_ms);
+            pthread_cond_timedwait(&q->nonempty, &q->lock, &ts); /* a push, a change of idle clients, or the end */
+            if (!q->count) break; /* its requests were removed (connections gone): wait for new ones */
         }
         if (q->count) break;
     }

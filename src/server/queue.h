@@ -88,6 +88,7 @@ typedef struct {
     int count;
     int closed;              /* no more pushes; take what is left without waiting */
     int idle_clients;        /* connected clients with no request in the server: only they can still join */
+    double answered_ms;      /* when a client last got its reply (pi0_now_ms): it may send its next request */
     int preparing;           /* requests handed to preparation and not yet pushed (or dropped) */
     server_reply *replies, *replies_tail;
 } server_queue;
@@ -100,6 +101,8 @@ void queue_expect(server_queue *q, int delta);
 /* Queues a prepared request (which was expected). */
 void queue_push(server_queue *q, server_request *r);
 void queue_set_idle(server_queue *q, int idle_clients);
+/* The same when a client has just been sent its reply: the batch window reopens for it (queue_take). */
+void queue_answered(server_queue *q, int idle_clients);
 /* Wakes the taker; later takes return what is queued at once, then 0. */
 void queue_close(server_queue *q);
 /* Removes the requests whose connection has gone and returns them as a list (linked through `next`). */

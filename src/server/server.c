@@ -579,7 +579,7 @@ static int conn_writeable(server *s, conn *c, struct lws *wsi) {
                 c->paused = 0;
             }
             if (s->stopping && !c->in_flight && !c->close_code) c->close_code = LWS_CLOSE_STATUS_GOINGAWAY;
-            if (!c->in_flight) queue_set_idle(&s->queue, idle_clients(s));
+            if (!c->in_flight) queue_answered(&s->queue, idle_clients(s));
         }
         out_free(m);
     }
