@@ -77,6 +77,14 @@ static __device__ __forceinline__ void ldsm_x2_trans(uint32_t r[2], uint32_t add
 /* Attention scores of one warp's 16 rows over N n8 tiles of keys from key0 (mma C layout: this lane holds keys
  * key0 + 8 n + 2 quad_col (+1) of rows g and g + 8): scaled into the log2 domain, -inf at a key >= the row's
  * visible count (vis0, vis1), and the rows' maxima over the quad folded into mx0 / mx1. */
+/* A row maximum held by the 4 lanes of a quad (each over its own columns), made the quad's. */
+static __device__ __forceinline__ void quad_max(float &mx0, float &mx1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+}
+
 template <int N>
 static __device__ __forceinline__ void mask_scores(float (&s)[N][4], int key0, int quad_col, int vis0, int vis1,
                                                    float scale_log2, float &mx0, float &mx1) {
@@ -90,10 +98,7 @@ static __device__ __forceinline__ void mask_scores(float (&s)[N][4], int key0, i
         mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
         mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    quad_max(mx0, mx1);
 }
 
 /* The probabilities exp2(s - base) in place, their sums (this lane's) added to l0 / l1. */

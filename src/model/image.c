@@ -288,7 +288,7 @@ static void image_to_hwc_u8(const pi0_image *img, uint8_t *hwc) {
             }
 }
 
-static pi0_status check_image(const pi0_image *img, int out_size, const void *out, pi0_error *err) {
+static pi0_status check_image(const pi0_image *img, const void *out, pi0_error *err) {
     if (!img || !img->data || !out) return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "image: NULL image or output");
     if (img->type != PI0_PIXEL_U8 && img->type != PI0_PIXEL_F32)
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "image: unknown pixel type %d", (int)img->type);
@@ -301,18 +301,19 @@ static pi0_status check_image(const pi0_image *img, int out_size, const void *ou
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT,
                         "image of shape (%d, %d, %d) %s: expected 3 channels and sides in 1 .. %d", d0, d1, d2,
                         chw ? "CHW" : "HWC", MAX_SIDE);
-    return check_side("image output size", out_size, err);
+    return PI0_OK;
 }
 
 pi0_status pi0_image_to_frame(const pi0_image *img, uint8_t *hwc, pi0_error *err) {
-    pi0_status st = check_image(img, 1, hwc, err);
+    pi0_status st = check_image(img, hwc, err);
     if (st != PI0_OK) return st;
     image_to_hwc_u8(img, hwc);
     return PI0_OK;
 }
 
 pi0_status pi0_image_preprocess(const pi0_image *img, int out_size, float *out, pi0_error *err) {
-    pi0_status st = check_image(img, out_size, out, err);
+    pi0_status st = check_image(img, out, err);
+    if (st == PI0_OK) st = check_side("image output size", out_size, err);
     if (st != PI0_OK) return st;
 
     size_t in_bytes = (size_t)img->height * (size_t)img->width * 3, out_bytes = (size_t)out_size * out_size * 3;
