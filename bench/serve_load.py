@@ -28,6 +28,7 @@ be the limit: Python packs and unpacks each request under the GIL).
     python3 bench/serve_load.py --port 8000 --clients 4 --obs my_robot_obs.msgpack --json
 """
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import sys
@@ -47,6 +48,27 @@ BREAKDOWN = ["receive_ms", "prep_queue_ms", "decode_ms", "prepare_ms", "queue_ms
 CLIENT = ["client_pack_ms", "client_send_ms", "client_unpack_ms"]
 
 
+GC_PAUSES = []  # this process's longer garbage collections: (start, ms, generation), time.perf_counter seconds
+GC_COUNT = [0, 0, 0]  # every collection, by generation
+_gc_start = [0.0]
+
+
+def track_gc(phase, info):
+    """gc.callbacks hook: a collection stops every thread of the process, a client mid-send included."""
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    else:
+        ms = (time.perf_counter() - _gc_start[0]) * 1e3
+        GC_COUNT[info["generation"]] += 1
+        if ms > 0.2 or info["generation"] == 2:
+            GC_PAUSES.append((_gc_start[0], ms, info["generation"]))
+
+
+def gc_ms_between(t0, t1):
+    """Milliseconds of this process's garbage collection inside [t0, t1] (perf_counter seconds)."""
+    return sum(max(0.0, min(t1, s + ms / 1e3) - max(t0, s)) * 1e3 for s, ms, _ in GC_PAUSES[-64:])
+
+
 def infer_timed(policy, obs):
     """openpi's WebsocketClientPolicy.infer, step by step (the same calls), with each step's milliseconds."""
     t0 = time.perf_counter()
@@ -61,7 +83,7 @@ def infer_timed(policy, obs):
     reply = msgpack_numpy.unpackb(response)
     t4 = time.perf_counter()
     return reply, (t4 - t0) * 1e3, {"client_pack_ms": (t1 - t0) * 1e3, "client_send_ms": (t2 - t1) * 1e3,
-                                    "client_unpack_ms": (t4 - t3) * 1e3}
+                                    "client_unpack_ms": (t4 - t3) * 1e3}, (t0, t4)
 WRIST = {"libero": "observation/wrist_image", "droid": "observation/wrist_image_left"}
 
 
@@ -123,12 +145,14 @@ def run_client(args, index, barrier, out):
         k = 0
         while (k < args.requests) if end is None else (time.monotonic() < end):
             one = request(args, obs, rng)
-            reply, ms, client = infer_timed(policy, one)
+            reply, ms, client, (t_start, t_end) = infer_timed(policy, one)
             result["latencies"].append(ms)
             timing = reply.get("server_timing", {})
             steps = {k: round(float(v), 3) for k, v in {**timing, **client}.items()}
-            result["slowest"] = sorted(result.get("slowest", []) + [(round(ms, 2), steps,
-                                       round(time.monotonic() - result["t0"], 2))], key=lambda x: -x[0])[:3]
+            steps["gc_ms"] = round(gc_ms_between(t_start, t_end), 3)
+            # the start is perf_counter (CLOCK_MONOTONIC: the same clock in every process and in pi0 serve's log)
+            entry = (round(ms, 2), steps, round(time.monotonic() - result["t0"], 2), round(t_start, 4), index)
+            result["slowest"] = sorted(result.get("slowest", []) + [entry], key=lambda x: -x[0])[:8]
             if timing.get("batch_size") is not None:
                 result["batches"].append(int(timing["batch_size"]))
             result["timings"].append({**{key: float(timing.get(key, 0.0)) for key in BREAKDOWN if key in timing},
@@ -145,12 +169,15 @@ def run_client(args, index, barrier, out):
 
 
 def run_process(args, indices, barrier, queue):
+    gc.callbacks.append(track_gc)
     out = []
     threads = [threading.Thread(target=run_client, args=(args, i, barrier, out)) for i in indices]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if out:  # the process's collections travel with its first client's result
+        out[0]["gc"] = {"count": GC_COUNT, "long": [(round(ms, 3), gen) for _, ms, gen in GC_PAUSES]}
     queue.put(out)
 
 
@@ -204,6 +231,9 @@ def main():
     started = [r["t0"] for r in results if r["t0"] is not None]
     finished = [r["t1"] for r in results if r["t1"] is not None]
     wall = (max(finished) - min(started)) if started and finished else float("nan")
+    gcs = [x for r in results if "gc" in r for x in r["gc"]["long"]]
+    gc_counts = [sum(r["gc"]["count"][g] for r in results if "gc" in r) for g in range(3)]
+    slowest = sorted([x for r in results for x in r.get("slowest", [])], key=lambda x: -x[0])
     summary = {
         "uri": probe._uri,
         "server": {k: metadata.get(k) for k in ("engine", "backend", "adapter", "max_batch", "batch_wait_ms")
@@ -225,8 +255,12 @@ def main():
             "over_2x_p50": int((lat > 2 * np.percentile(lat, 50)).sum()) if lat.size else None,
         },
         "breakdown_ms": breakdown,
-        # the three slowest requests: latency, the server's and the client's timing of it, seconds into the run
-        "slowest": sorted([x for r in results for x in r.get("slowest", [])], key=lambda x: -x[0])[:3],
+        # the slowest requests (up to 8 per client, the 12 slowest of them): latency, the server's and the client's
+        # timing of it (gc_ms: the client process's garbage collection during it), seconds into the run, its start
+        # (CLOCK_MONOTONIC seconds, comparable across clients and with the server's log), the client
+        "slowest": slowest[:12],
+        "client_gc": {"collections": gc_counts, "over_0.2ms": len(gcs),
+                      "longest_ms": round(max((ms for ms, _ in gcs), default=0.0), 3)},
         "vary": args.vary,
         "drop_camera": args.drop_camera,
         "batch_size": {"mean": round(float(batches.mean()), 2), "max": int(batches.max())} if batches.size else None,

@@ -517,6 +517,35 @@ def run(workdir, servers):
 
     check("fragmented request (5 frames + ping), 3 pipelined requests in order", t_fragmented_pipelined)
 
+    def t_slow_parts_logged():
+        # a request whose second half comes 120 ms after its first: answered, and the pause is in the log (where a
+        # slow receive_ms went), with its size so far
+        data = msgpack_numpy.packb(obs)
+        ws = RawWs(srv.port)
+        ws.recv_message()
+        half = len(data) // 2
+        ws.send_frame(2, data[:half], fin=False)
+        time.sleep(0.12)
+        ws.send_frame(0, data[half:])
+        kind, payload = ws.recv_message()
+        assert kind == "binary", (kind, payload[:200])
+        assert check_actions(msgpack_numpy.unpackb(payload), ref["libero"]) == 1
+        ws.close()
+        lines = [l for l in srv.stderr().splitlines() if "between two parts of a request" in l]
+        assert any(f"({half} bytes in so far" in l for l in lines), lines[-3:]
+        # the event loop held up (here: the whole process stopped for 150 ms) is logged too
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        time.sleep(0.15)
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        deadline = time.time() + 5
+        while time.time() < deadline and "event loop held up" not in srv.stderr():
+            time.sleep(0.05)
+        held = [l for l in srv.stderr().splitlines() if "event loop held up" in l]
+        assert held, srv.stderr()[-500:]
+        return lines[-1].split(": ", 1)[1] + "; " + held[-1].split(": ", 1)[1]
+
+    check("a request's pause between two parts and a held-up event loop are logged", t_slow_parts_logged)
+
     # -- hostile clients, with a good client running throughout
     good = GoodClient(srv.uri, obs, ref["libero"])
     good.start()

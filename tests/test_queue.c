@@ -3,7 +3,7 @@
  * A single robot never waits; a window waits for clients that can still come and no longer than
  * --batch-wait-ms; and the clients a batch has just answered count as idle, so that a request that queued
  * while that batch ran waits for them (clients in step keep sharing one batch), and a client's reply going out
- * reopens the window for it.
+ * reopens the window for it, as does a request beginning to arrive.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -129,11 +129,42 @@ TEST(a_reply_reopens_the_window) {
     queue_destroy(&q);
 }
 
+static void *arrive_then_complete(void *arg) {
+    server_queue *q = ((answering *)arg)->q;
+    struct timespec ts = {0, 50 * 1000000L}, then = {0, 30 * 1000000L};
+    nanosleep(&ts, NULL);
+    queue_arriving(q); /* a request's first byte, 50 ms into a 60 ms window */
+    nanosleep(&then, NULL);
+    queue_push(q, request_at(pi0_now_ms())); /* all of it in and prepared, ~80 ms in */
+    queue_set_idle(q, 0);
+    return NULL;
+}
+
+/* A client slower than the others to turn its reply around: its request begins to arrive just before the window
+ * closes and is complete just after. It joins the batch instead of waiting for the next one. */
+TEST(an_arriving_request_reopens_the_window) {
+    server_queue q;
+    REQUIRE(queue_init(&q) == 0);
+    queue_set_idle(&q, 1);
+    push(&q, pi0_now_ms());
+    answering a = {&q};
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, arrive_then_complete, &a) == 0);
+    double ms;
+    int n = take(&q, 8, 60, &ms);
+    pthread_join(t, NULL);
+    CHECK(n == 2 && ms >= 75 && ms < 109, "batch of %d after %.1f ms (want 2 after ~80 ms)", n, ms);
+    double ms2;
+    if (n == 1) take(&q, 8, 60, &ms2); /* the late one, so the queue is empty when destroyed */
+    queue_destroy(&q);
+}
+
 int main(int argc, char **argv) {
     check_init(argc, argv);
     RUN(single_robot_never_waits);
     RUN(window_is_bounded_by_batch_wait);
     RUN(answered_clients_are_waited_for);
     RUN(a_reply_reopens_the_window);
+    RUN(an_arriving_request_reopens_the_window);
     return check_finish();
 }

@@ -156,6 +156,14 @@ void queue_expect(server_queue *q, int delta) {
     pthread_mutex_unlock(&q->lock);
 }
 
+void queue_arriving(server_queue *q) {
+    pthread_mutex_lock(&q->lock);
+    q->preparing++;
+    q->arriving_ms = pi0_now_ms();
+    pthread_cond_signal(&q->nonempty); /* a batch window closing now stays open for it */
+    pthread_mutex_unlock(&q->lock);
+}
+
 void queue_push(server_queue *q, server_request *r) {
     r->next = NULL;
     pthread_mutex_lock(&q->lock);
@@ -218,10 +226,13 @@ int queue_take(server_queue *q, int max, double wait_ms, server_request **out) {
         /* The batch window opens when its oldest request was queued, when the model became free, or when a client
          * last got its reply, whichever is latest: a request that queued while the previous batch ran waits for
          * the clients that batch answered to send again. Otherwise clients in step fall into split waves (of 4:
-         * 3 in one batch, the 4th alone after it) that take longer than one batch of all of them. */
+         * 3 in one batch, the 4th alone after it) that take longer than one batch of all of them. It opens again
+         * when a request on its way begins to arrive: a client that turned its reply around a little slower than
+         * the others (its first byte 1.9 ms into a 2 ms window) still joins, where it would wait a whole batch. */
         while (q->count < max && !q->closed && (q->idle_clients > 0 || q->preparing > 0) && wait_ms > 0) {
             double opened = q->head->t_prepared_ms > model_free_ms ? q->head->t_prepared_ms : model_free_ms;
             if (q->answered_ms > opened) opened = q->answered_ms;
+            if (q->preparing > 0 && q->arriving_ms > opened) opened = q->arriving_ms;
             if (pi0_now_ms() >= opened + wait_ms) break;
             struct timespec ts = timespec_from_ms(opened + wait_ms);
             pthread_cond_timedwait(&q->nonempty, &q->lock, &ts); /* a push, a change of idle clients, or the end */

@@ -89,7 +89,8 @@ typedef struct {
     int closed;              /* no more pushes; take what is left without waiting */
     int idle_clients;        /* connected clients with no request in the server: only they can still join */
     double answered_ms;      /* when a client last got its reply (pi0_now_ms): it may send its next request */
-    int preparing;           /* requests handed to preparation and not yet pushed (or dropped) */
+    int preparing;           /* requests on their way: arriving (queue_arriving) or being prepared, not yet pushed */
+    double arriving_ms;      /* when the latest of them began to arrive (its first byte) */
     server_reply *replies, *replies_tail;
 } server_queue;
 
@@ -98,6 +99,10 @@ void queue_destroy(server_queue *q); /* frees whatever is still queued */
 
 /* A request is on its way (+1 when handed to preparation) or will not come (-1 when preparation drops it). */
 void queue_expect(server_queue *q, int delta);
+/* A request's first byte is in: it is on its way (queue_expect(q, +1)), and the batch window reopens for it
+ * (queue_take), so that a client whose request is still arriving when the window would close is not left for
+ * the next batch. queue_expect(q, -1) if it never comes (refused, or the connection goes). */
+void queue_arriving(server_queue *q);
 /* Queues a prepared request (which was expected). */
 void queue_push(server_queue *q, server_request *r);
 void queue_set_idle(server_queue *q, int idle_clients);
@@ -108,9 +113,9 @@ void queue_close(server_queue *q);
 /* Removes the requests whose connection has gone and returns them as a list (linked through `next`). */
 server_request *queue_remove_abandoned(server_queue *q);
 /* Blocks until a request is queued, then collects up to `max` into out[]: while fewer are queued, it waits up
- * to `wait_ms` after the oldest one was queued, or after this call began if that is later, for more, as long as
- * more can come (a request in preparation, or an idle client). Returns how many (>= 1), or 0 when the queue is
- * closed and empty. */
+ * to `wait_ms` after the latest of: the oldest one queued, this call's start, a client answered, a request on its
+ * way beginning to arrive; as long as more can come (a request on its way, or an idle client). Returns how many
+ * (>= 1), or 0 when the queue is closed and empty. */
 int queue_take(server_queue *q, int max, double wait_ms, server_request **out);
 
 /* Appends a list of replies (linked through `next`); their clients count as idle from now on. */

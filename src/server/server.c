@@ -24,6 +24,8 @@
 #include "server/server.h"
 
 #include <libwebsockets.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -51,6 +53,8 @@ enum {
     MAX_IN_FLIGHT = 2,                /* requests of one connection in the server before it stops being read */
     INLINE_PREPARE_BYTES = 1024 * 1024, /* a request up to this size is prepared on the event loop (conn_request) */
     TICK_US = 50 * 1000,              /* how often the event loop looks at *stop and the timeouts */
+    LATE_TICK_MS = 20,                /* a tick this late means the event loop was held up: logged */
+    SLOW_RX_GAP_MS = 20,              /* a pause this long between two parts of one request is logged */
     CLOSE_GRACE_MS = 2000,            /* at shutdown, time for connections to finish their close handshake */
     KILL_AFTER_S = 3,                 /* a connection being closed for a timeout is dropped after this, said or not */
     FD_HEADROOM = 32,                 /* descriptors kept free below the limit (files, pipes, CUDA) */
@@ -88,6 +92,8 @@ typedef struct conn {
     size_t rx_size, rx_cap;
     int rx_skip;              /* dropping the rest of the current message */
     double rx_t0;             /* its first byte */
+    double rx_last_ms;        /* its latest part */
+    int rx_counted;           /* it is counted on its way to the batch queue (queue_arriving) */
     double last_active_ms;    /* the last byte read or written */
     int in_flight;            /* requests in the server whose reply is not written yet */
     int paused;               /* reading stopped (lws_rx_flow_control) */
@@ -125,6 +131,11 @@ typedef struct {
     uint64_t next_conn_id, seed_base, seed_count, refused_connections;
     int stopping, exit_loop;
     double close_deadline_ms; /* set once the worker has finished: connections get until then to close */
+    double tick_due_ms;       /* when the tick should fire: how late it is shows how long the loop was held up */
+    double longest_callback_ms; /* since the last tick, and which callback it was */
+    const char *longest_callback;
+    uint64_t late_ticks;
+    double latest_tick_ms;    /* the largest lateness seen */
     /* worker thread (the counters are read by the network thread after joining it) */
     server_request **batch;   /* max_batch each */
     const pi0_prepared **batch_prepared;
@@ -326,7 +337,15 @@ static void out_free(out_msg *m) {
     free(m);
 }
 
+/* The message being received will not become a request: the batch queue stops counting on it. */
+static void rx_uncount(server *s, conn *c) {
+    if (!c->rx_counted) return;
+    c->rx_counted = 0;
+    queue_expect(&s->queue, -1);
+}
+
 static void rx_release(server *s, conn *c) {
+    rx_uncount(s, c);
     free(c->rx);
     s->transit_bytes -= c->rx_cap;
     c->rx = NULL;
@@ -448,7 +467,10 @@ static uint64_t next_seed(server *s) {
 
 /* The whole message is in c->rx: it goes, with its buffer, to preparation. */
 static void conn_request(server *s, conn *c) {
-    if (s->stopping) return; /* arrived after shutdown began: dropped with the connection */
+    if (s->stopping) { /* arrived after shutdown began: dropped with the connection */
+        rx_uncount(s, c);
+        return;
+    }
     if (!c->rx_size) {
         conn_fail(s, c, "empty request: expected a msgpack map (the observation)");
         return;
@@ -481,7 +503,8 @@ static void conn_request(server *s, conn *c) {
         c->paused = 1;
     }
     queue_set_idle(&s->queue, idle_clients(s));
-    queue_expect(&s->queue, +1);
+    if (!c->rx_counted) queue_expect(&s->queue, +1); /* (it was counted at its first byte) */
+    c->rx_counted = 0;
     /* A robot's usual request (two or three camera frames) takes ~0.1 ms to decode and prepare, now that the
      * backend resizes the frames: less than waking a preparation thread costs, so it is done here. Larger ones
      * (float frames to convert, many cameras) go to the preparation threads, so that this loop keeps serving
@@ -520,18 +543,39 @@ static int rx_reserve(server *s, conn *c, size_t need, size_t announced) {
     return 0;
 }
 
+/* Asks the kernel to acknowledge what this connection has received now, with the window our read just
+ * opened. Linux treats a request/reply connection as interactive ("pingpong") and delays its ACKs, hoping to
+ * carry them on a reply; a window update freed by a read is then held too unless it at least doubles the
+ * window. A client whose request is larger than the window (a ~400 KB observation against ~3 segments of
+ * 64 KB on loopback) waits for it: measured, 54-56 ms (the delayed-ACK timer) in 8 of 42,000 requests of a
+ * 5-minute run, each after exactly 3 x 65,483 bytes. Setting TCP_QUICKACK leaves pingpong mode and sends a
+ * pending ACK at once; Linux may go back to pingpong, so it is set after every part of a request that is
+ * not its last (one setsockopt per 64 KB read). Failure (not a TCP socket) changes nothing. */
+static void ack_now(struct lws *wsi) {
+    int fd = (int)lws_get_socket_fd(wsi), one = 1;
+    if (fd >= 0) (void)setsockopt(fd, IPPROTO_TCP, TCP_QUICKACK, &one, sizeof one);
+}
+
 static void conn_receive(server *s, conn *c, struct lws *wsi, const uint8_t *data, size_t len) {
     c->last_active_ms = pi0_now_ms();
     if (lws_is_first_fragment(wsi)) {
         c->rx_size = 0;
-        c->rx_t0 = c->last_active_ms;
+        c->rx_t0 = c->rx_last_ms = c->last_active_ms;
         c->rx_skip = c->failed || s->stopping;
         if (!c->rx_skip && !lws_frame_is_binary(wsi)) {
             conn_fail(s, c, "expected a binary frame (a msgpack observation), got a text frame");
             return;
         }
+        if (!c->rx_skip && !c->rx_counted) {
+            c->rx_counted = 1;
+            queue_arriving(&s->queue);
+        }
     }
     if (c->rx_skip) return;
+    if (c->last_active_ms - c->rx_last_ms > SLOW_RX_GAP_MS) /* where a slow receive_ms went: the bytes, or this loop */
+        server_log(s, "client %llu: %.1f ms between two parts of a request (%zu bytes in so far; monotonic clock %.3f s)",
+                   (unsigned long long)c->id, c->last_active_ms - c->rx_last_ms, c->rx_size, c->last_active_ms / 1e3);
+    c->rx_last_ms = c->last_active_ms;
     /* The rest of this frame is announced in its header: refuse an oversized request before buffering it. */
     size_t remaining = lws_remaining_packet_payload(wsi), max = s->opts.max_frame_bytes;
     if (len > max - c->rx_size || remaining > max - c->rx_size - len) {
@@ -542,6 +586,7 @@ static void conn_receive(server *s, conn *c, struct lws *wsi, const uint8_t *dat
     if (len) memcpy(c->rx + c->rx_size, data, len);
     c->rx_size += len;
     if (lws_is_final_fragment(wsi)) conn_request(s, c);
+    else ack_now(wsi);
 }
 
 /* Writes one fragment of the first queued message; asks for another callback while more remains. */
@@ -653,11 +698,36 @@ static void check_stop(server *s) {
     if (!s->num_conns || now > s->close_deadline_ms) s->exit_loop = 1;
 }
 
+static void on_tick(lws_sorted_usec_list_t *sul);
+
+/* Schedules the next tick. */
+static void schedule_tick(server *s) {
+    s->tick_due_ms = pi0_now_ms() + TICK_US / 1000.0;
+    lws_sul_schedule(s->ctx, 0, &s->tick, on_tick, TICK_US);
+}
+
+/* A late tick means the event loop (which reads every client's requests) was held up: said in the log
+ * with the longest of our callbacks since the previous tick, which tells our work from the rest (lws,
+ * the kernel, another process). */
+static void note_late_tick(server *s) {
+    double now = pi0_now_ms(), late = now - s->tick_due_ms;
+    if (late > LATE_TICK_MS) {
+        s->late_ticks++;
+        if (late > s->latest_tick_ms) s->latest_tick_ms = late;
+        server_log(s, "event loop held up: its tick came %.1f ms late (longest callback since the last tick: %s, %.1f ms; "
+                   "monotonic clock %.3f s)", late, s->longest_callback ? s->longest_callback : "none",
+                   s->longest_callback_ms, now / 1e3);
+    }
+    s->longest_callback_ms = 0;
+    s->longest_callback = NULL;
+}
+
 static void on_tick(lws_sorted_usec_list_t *sul) {
     server *s = lws_container_of(sul, server, tick);
+    note_late_tick(s);
     check_stop(s);
     if (!s->stopping) check_timeouts(s);
-    lws_sul_schedule(s->ctx, 0, &s->tick, on_tick, TICK_US);
+    schedule_tick(s);
 }
 
 static int write_http(struct lws *wsi, conn *c) {
@@ -687,10 +757,8 @@ static int close_code_valid(const uint8_t *payload, size_t len) {
     return (code >= 1000 && code <= 1003) || (code >= 1007 && code <= 1014) || (code >= 3000 && code <= 4999);
 }
 
-static int callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len) {
-    server *s = wsi ? lws_context_user(lws_get_context(wsi)) : NULL;
+static int dispatch(server *s, struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len) {
     conn *c = user;
-    if (!s) return lws_callback_http_dummy(wsi, reason, user, in, len);
     switch (reason) {
     case LWS_CALLBACK_FILTER_NETWORK_CONNECTION: {
         /* Refused at accept (closed at once): past max_clients, or too close to the descriptor limit, where
@@ -739,6 +807,32 @@ static int callback(struct lws *wsi, enum lws_callback_reasons reason, void *use
     default:
         return lws_callback_http_dummy(wsi, reason, user, in, len);
     }
+}
+
+/* What a callback was doing, for the held-up loop's log line. */
+static const char *callback_name(enum lws_callback_reasons reason) {
+    switch (reason) {
+    case LWS_CALLBACK_RECEIVE: return "receive (with an inline preparation)";
+    case LWS_CALLBACK_SERVER_WRITEABLE: return "write";
+    case LWS_CALLBACK_EVENT_WAIT_CANCELLED: return "deliver replies";
+    case LWS_CALLBACK_ESTABLISHED: return "connect";
+    case LWS_CALLBACK_CLOSED: return "close";
+    default: return "other";
+    }
+}
+
+/* Every callback is timed (two clock reads): the longest since the last tick goes into note_late_tick's line. */
+static int callback(struct lws *wsi, enum lws_callback_reasons reason, void *user, void *in, size_t len) {
+    server *s = wsi ? lws_context_user(lws_get_context(wsi)) : NULL;
+    if (!s) return lws_callback_http_dummy(wsi, reason, user, in, len);
+    double t0 = pi0_now_ms();
+    int rc = dispatch(s, wsi, reason, user, in, len);
+    double ms = pi0_now_ms() - t0;
+    if (ms > s->longest_callback_ms) {
+        s->longest_callback_ms = ms;
+        s->longest_callback = callback_name(reason);
+    }
+    return rc;
 }
 
 /* ---- set-up --------------------------------------------------------------------------------------- */
@@ -873,6 +967,9 @@ static pi0_status listen_on(server *s, int *port, pi0_error *err) {
 }
 
 static void log_summary(server *s) {
+    if (s->late_ticks)
+        server_log(s, "the event loop was held up %llu times (a tick over %d ms late; the latest %.1f ms)",
+                   (unsigned long long)s->late_ticks, LATE_TICK_MS, s->latest_tick_ms);
     if (!s->served && !s->errors && !atomic_load(&s->dropped) && !s->refused_connections) return;
     server_log(s, "served %llu requests in %llu batches (mean batch %.2f, largest %d), %llu refused by the policy, "
                "%llu dropped (client gone), %llu connections refused at accept",
@@ -928,7 +1025,7 @@ pi0_status pi0_server_run(pi0_policy *policy, const pi0_server_options *opts, vo
             goto done;
         }
 
-    lws_sul_schedule(s->ctx, 0, &s->tick, on_tick, TICK_US);
+    schedule_tick(s);
     if (s->opts.on_listen) s->opts.on_listen(s->opts.user, port);
     while (!s->exit_loop) {
         if (lws_service(s->ctx, 0) < 0) {
