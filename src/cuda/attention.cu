@@ -652,12 +652,11 @@ template <int HD, bool PADDED>
 __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnParams p, float *ws) {
     using C = AttnConfig<HD>;
     const int hd = PADDED ? p.head_dim : HD, chunks = hd / 8; /* as in attention_kernel */
-    pdl_trigger(); /* launched as a dependent (device.cuh): everything below needs the previous kernel */
-    pdl_wait();
+    pdl_trigger(); /* launched as a dependent (device.cuh) */
+    /* The segments are the graph's inputs, copied in before any kernel ran: readable before pdl_wait. */
     const attn_segment seg = p.segments[blockIdx.z];
     const int G = p.group, rows_total = seg.num_q * G, num_k = seg.num_k;
     const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys;
-    if (seg.num_q <= 0 || num_k <= 0 || (int)blockIdx.x >= n_chunks) return; /* block-uniform */
     const int kvh = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int state_vis = seg.state_keys > 0 ? min(seg.state_keys, num_k) : num_k;
     uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem);
@@ -669,13 +668,6 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     const bool vec_q = p.vec_q != 0, vec_kv = p.vec_kv != 0;
     const int row_tiles = (rows_total + 15) / 16;
 
-    if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, kDecodeRows + 2 * kDecodeKeys, chunks, tid, kDecodeThreads);
-    for (int i = tid; i < row_tiles * 16 * chunks; i += kDecodeThreads) {
-        const int r = i / chunks, c = i % chunks;
-        const bool valid = r < rows_total;
-        const int t = valid ? r / G : 0, hh = valid ? r - t * G : 0;
-        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * hd + c * 8, valid, vec_q);
-    }
     auto load_kv = [&](int key0) {
         for (int i = tid; i < 2 * kDecodeKeys * chunks; i += kDecodeThreads) {
             const int which = i / (kDecodeKeys * chunks), j = i % (kDecodeKeys * chunks);
@@ -686,6 +678,24 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
         }
         cp_async_commit();
     };
+    /* The keys before the segment's own queries' (a denoise step's prefix, attention.h) were written before
+     * the kernels this one depends on, so the block's first chunk of them streams in from DRAM while the
+     * previous kernel (the QKV that writes the rest) finishes: one round trip off the step's chain. */
+    const int early_keys = num_k - seg.num_q;
+    const bool has_chunk = seg.num_q > 0 && num_k > 0 && (int)blockIdx.x < n_chunks; /* block-uniform */
+    const bool preloaded = has_chunk && ((int)blockIdx.x + 1) * kDecodeKeys <= early_keys;
+    if (preloaded) load_kv((int)blockIdx.x * kDecodeKeys);
+    pdl_wait(); /* Q and the segment's last num_q keys are the previous kernel's output */
+    if (!has_chunk) return;
+
+    if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, kDecodeRows + 2 * kDecodeKeys, chunks, tid, kDecodeThreads);
+    for (int i = tid; i < row_tiles * 16 * chunks; i += kDecodeThreads) {
+        const int r = i / chunks, c = i % chunks;
+        const bool valid = r < rows_total;
+        const int t = valid ? r / G : 0, hh = valid ? r - t * G : 0;
+        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * hd + c * 8, valid, vec_q);
+    }
+    cp_async_commit();
 
     const int lrow = lane & 7, lsel1 = (lane >> 3) & 1, lsel2 = lane >> 4;
     const uint32_t q_addr = smem_addr(sQ + (warp * 16 + lrow + lsel1 * 8) * C::LDS + lsel2 * 8);
@@ -703,7 +713,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
 
     for (int chunk = blockIdx.x; chunk < n_chunks; chunk += gridDim.x) {
         const int key0 = chunk * kDecodeKeys;
-        load_kv(key0);
+        if (!(preloaded && chunk == (int)blockIdx.x)) load_kv(key0);
         cp_async_wait_all(); /* K, V (and Q, first time) landed for this thread ... */
         __syncthreads();     /* ... and for every thread */
         if (warp_active) {

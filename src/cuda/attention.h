@@ -58,6 +58,10 @@ cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ld
  * num_kv_heads <= 16: a small-batch denoise step), the keys are spread over 32 blocks per problem
  * and the partial results merged by a second kernel (attention.cu, "few queries"); else it is
  * pi0_cuda_attention. The workspace must not be used by anything else while the call runs.
+ * Those kernels launch as programmatic dependents (sm_90+) and read a segment's keys before its last
+ * num_q ones while the kernel before them may still run: that kernel (and those it depends on) must not
+ * write them. A denoise step meets this: the prefix's keys were written before the step, the kernel
+ * before writes only the suffix's (the segment's last num_q keys).
  */
 cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
                                   const pi0_bf16 *v, int ldkv, const attn_segment *segments, int num_segments,
