@@ -99,65 +99,52 @@ TEST(answered_clients_are_waited_for) {
     queue_destroy(&q);
 }
 
+/* A second client's request comes after the first window (60 ms) has closed; what reopens the window for it
+ * happens at `reopen_ms`: its reply going out (then it sends the whole request at `complete_ms`), or its request's
+ * first byte (then it is complete and prepared at `complete_ms`). */
 typedef struct {
     server_queue *q;
-} answering;
+    int by_arrival;
+    long reopen_ms, complete_ms;
+} second_client;
 
-static void *answer_then_send(void *arg) {
-    server_queue *q = ((answering *)arg)->q;
-    struct timespec ts = {0, 40 * 1000000L}, then = {0, 30 * 1000000L};
+static void *second_client_main(void *arg) {
+    second_client *c = arg;
+    struct timespec ts = {0, c->reopen_ms * 1000000L}, then = {0, (c->complete_ms - c->reopen_ms) * 1000000L};
     nanosleep(&ts, NULL);
-    queue_answered(q, 1); /* a client's reply has just gone out, 40 ms into a 60 ms window */
+    if (c->by_arrival) queue_arriving(c->q);
+    else queue_answered(c->q, 1);
     nanosleep(&then, NULL);
-    push(q, pi0_now_ms()); /* its next request, ~70 ms in: past the first window, inside the reopened one */
-    queue_set_idle(q, 0);
+    if (c->by_arrival) queue_push(c->q, request_at(pi0_now_ms())); /* counted on its way since its first byte */
+    else push(c->q, pi0_now_ms());
+    queue_set_idle(c->q, 0);
     return NULL;
 }
 
-TEST(a_reply_reopens_the_window) {
+/* Whether the second request joins the first one's batch, which then starts right after it. */
+static void second_request_joins(int by_arrival, long reopen_ms, long complete_ms) {
     server_queue q;
     REQUIRE(queue_init(&q) == 0);
     queue_set_idle(&q, 1);
     push(&q, pi0_now_ms());
-    answering a = {&q};
+    second_client c = {&q, by_arrival, reopen_ms, complete_ms};
     pthread_t t;
-    REQUIRE(pthread_create(&t, NULL, answer_then_send, &a) == 0);
-    double ms;
+    REQUIRE(pthread_create(&t, NULL, second_client_main, &c) == 0);
+    double ms, late_ms;
     int n = take(&q, 8, 60, &ms);
     pthread_join(t, NULL);
-    CHECK(n == 2 && ms >= 65 && ms < 99, "batch of %d after %.1f ms (want 2 after ~70 ms)", n, ms);
+    CHECK(n == 2 && ms >= complete_ms - 5 && ms < complete_ms + 29, "batch of %d after %.1f ms (want 2 after ~%ld ms)", n,
+          ms, complete_ms);
+    if (n == 1) take(&q, 8, 60, &late_ms); /* the late one, so the queue is empty when destroyed */
     queue_destroy(&q);
 }
 
-static void *arrive_then_complete(void *arg) {
-    server_queue *q = ((answering *)arg)->q;
-    struct timespec ts = {0, 50 * 1000000L}, then = {0, 30 * 1000000L};
-    nanosleep(&ts, NULL);
-    queue_arriving(q); /* a request's first byte, 50 ms into a 60 ms window */
-    nanosleep(&then, NULL);
-    queue_push(q, request_at(pi0_now_ms())); /* all of it in and prepared, ~80 ms in */
-    queue_set_idle(q, 0);
-    return NULL;
-}
+/* The reply goes out 40 ms into the window; the next request comes ~70 ms in, inside the reopened window. */
+TEST(a_reply_reopens_the_window) { second_request_joins(0, 40, 70); }
 
 /* A client slower than the others to turn its reply around: its request begins to arrive just before the window
- * closes and is complete just after. It joins the batch instead of waiting for the next one. */
-TEST(an_arriving_request_reopens_the_window) {
-    server_queue q;
-    REQUIRE(queue_init(&q) == 0);
-    queue_set_idle(&q, 1);
-    push(&q, pi0_now_ms());
-    answering a = {&q};
-    pthread_t t;
-    REQUIRE(pthread_create(&t, NULL, arrive_then_complete, &a) == 0);
-    double ms;
-    int n = take(&q, 8, 60, &ms);
-    pthread_join(t, NULL);
-    CHECK(n == 2 && ms >= 75 && ms < 109, "batch of %d after %.1f ms (want 2 after ~80 ms)", n, ms);
-    double ms2;
-    if (n == 1) take(&q, 8, 60, &ms2); /* the late one, so the queue is empty when destroyed */
-    queue_destroy(&q);
-}
+ * closes (50 ms into 60) and is complete just after (80 ms). It joins the batch instead of waiting for the next. */
+TEST(an_arriving_request_reopens_the_window) { second_request_joins(1, 50, 80); }
 
 int main(int argc, char **argv) {
     check_init(argc, argv);
