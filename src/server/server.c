@@ -54,7 +54,8 @@ enum {
     INLINE_PREPARE_BYTES = 1024 * 1024, /* a request up to this size is prepared on the event loop (conn_request) */
     TICK_US = 50 * 1000,              /* how often the event loop looks at *stop and the timeouts */
     LATE_TICK_MS = 20,                /* a tick this late means the event loop was held up: logged */
-    SLOW_RX_GAP_MS = 20,              /* a pause this long between two parts of one request is logged */
+    SLOW_RX_GAP_MS = 20,              /* a pause this long between two parts of one request is logged ... */
+    SLOW_RX_LOG_EVERY_MS = 10000,     /* ... once per connection in this long (a robot on a slow link would flood it) */
     CLOSE_GRACE_MS = 2000,            /* at shutdown, time for connections to finish their close handshake */
     KILL_AFTER_S = 3,                 /* a connection being closed for a timeout is dropped after this, said or not */
     FD_HEADROOM = 32,                 /* descriptors kept free below the limit (files, pipes, CUDA) */
@@ -94,6 +95,8 @@ typedef struct conn {
     double rx_t0;             /* its first byte */
     double rx_last_ms;        /* its latest part */
     int rx_counted;           /* it is counted on its way to the batch queue (queue_arriving) */
+    double slow_logged_ms;    /* when a slow part of a request was last logged */
+    uint64_t slow_unlogged;   /* slow parts since then, not logged */
     double last_active_ms;    /* the last byte read or written */
     int in_flight;            /* requests in the server whose reply is not written yet */
     int paused;               /* reading stopped (lws_rx_flow_control) */
@@ -556,6 +559,19 @@ static void ack_now(struct lws *wsi) {
     if (fd >= 0) (void)setsockopt(fd, IPPROTO_TCP, TCP_QUICKACK, &one, sizeof one);
 }
 
+/* Where a slow receive_ms went (the bytes were late, not this loop: note_late_tick says when it is the loop). */
+static void note_slow_part(server *s, conn *c) {
+    if (c->slow_logged_ms && c->last_active_ms - c->slow_logged_ms < SLOW_RX_LOG_EVERY_MS) {
+        c->slow_unlogged++;
+        return;
+    }
+    server_log(s, "client %llu: %.1f ms between two parts of a request (%zu bytes in so far; monotonic clock %.3f s; "
+               "%llu more such pauses since the previous line)", (unsigned long long)c->id, c->last_active_ms - c->rx_last_ms,
+               c->rx_size, c->last_active_ms / 1e3, (unsigned long long)c->slow_unlogged);
+    c->slow_logged_ms = c->last_active_ms;
+    c->slow_unlogged = 0;
+}
+
 static void conn_receive(server *s, conn *c, struct lws *wsi, const uint8_t *data, size_t len) {
     c->last_active_ms = pi0_now_ms();
     if (lws_is_first_fragment(wsi)) {
@@ -572,9 +588,7 @@ static void conn_receive(server *s, conn *c, struct lws *wsi, const uint8_t *dat
         }
     }
     if (c->rx_skip) return;
-    if (c->last_active_ms - c->rx_last_ms > SLOW_RX_GAP_MS) /* where a slow receive_ms went: the bytes, or this loop */
-        server_log(s, "client %llu: %.1f ms between two parts of a request (%zu bytes in so far; monotonic clock %.3f s)",
-                   (unsigned long long)c->id, c->last_active_ms - c->rx_last_ms, c->rx_size, c->last_active_ms / 1e3);
+    if (c->last_active_ms - c->rx_last_ms > SLOW_RX_GAP_MS) note_slow_part(s, c);
     c->rx_last_ms = c->last_active_ms;
     /* The rest of this frame is announced in its header: refuse an oversized request before buffering it. */
     size_t remaining = lws_remaining_packet_payload(wsi), max = s->opts.max_frame_bytes;
