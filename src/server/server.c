@@ -138,7 +138,7 @@ typedef struct {
     double longest_callback_ms; /* since the last tick, and which callback it was */
     const char *longest_callback;
     uint64_t late_ticks;
-    double latest_tick_ms;    /* the largest lateness seen */
+    double worst_late_ms;     /* the latest a tick has come */
     /* worker thread (the counters are read by the network thread after joining it) */
     server_request **batch;   /* max_batch each */
     const pi0_prepared **batch_prepared;
@@ -506,8 +506,7 @@ static void conn_request(server *s, conn *c) {
         c->paused = 1;
     }
     queue_set_idle(&s->queue, idle_clients(s));
-    if (!c->rx_counted) queue_expect(&s->queue, +1); /* (it was counted at its first byte) */
-    c->rx_counted = 0;
+    c->rx_counted = 0; /* the batch queue has counted it on its way since its first byte (queue_arriving) */
     /* A robot's usual request (two or three camera frames) takes ~0.1 ms to decode and prepare, now that the
      * backend resizes the frames: less than waking a preparation thread costs, so it is done here. Larger ones
      * (float frames to convert, many cameras) go to the preparation threads, so that this loop keeps serving
@@ -582,7 +581,7 @@ static void conn_receive(server *s, conn *c, struct lws *wsi, const uint8_t *dat
             conn_fail(s, c, "expected a binary frame (a msgpack observation), got a text frame");
             return;
         }
-        if (!c->rx_skip && !c->rx_counted) {
+        if (!c->rx_skip) { /* a message that is not skipped reaches conn_request or rx_release, which uncount it */
             c->rx_counted = 1;
             queue_arriving(&s->queue);
         }
@@ -727,7 +726,7 @@ static void note_late_tick(server *s) {
     double now = pi0_now_ms(), late = now - s->tick_due_ms;
     if (late > LATE_TICK_MS) {
         s->late_ticks++;
-        if (late > s->latest_tick_ms) s->latest_tick_ms = late;
+        if (late > s->worst_late_ms) s->worst_late_ms = late;
         server_log(s, "event loop held up: its tick came %.1f ms late (longest callback since the last tick: %s, %.1f ms; "
                    "monotonic clock %.3f s)", late, s->longest_callback ? s->longest_callback : "none",
                    s->longest_callback_ms, now / 1e3);
@@ -982,8 +981,8 @@ static pi0_status listen_on(server *s, int *port, pi0_error *err) {
 
 static void log_summary(server *s) {
     if (s->late_ticks)
-        server_log(s, "the event loop was held up %llu times (a tick over %d ms late; the latest %.1f ms)",
-                   (unsigned long long)s->late_ticks, LATE_TICK_MS, s->latest_tick_ms);
+        server_log(s, "the event loop was held up %llu times (a tick over %d ms late; the worst %.1f ms)",
+                   (unsigned long long)s->late_ticks, LATE_TICK_MS, s->worst_late_ms);
     if (!s->served && !s->errors && !atomic_load(&s->dropped) && !s->refused_connections) return;
     server_log(s, "served %llu requests in %llu batches (mean batch %.2f, largest %d), %llu refused by the policy, "
                "%llu dropped (client gone), %llu connections refused at accept",
