@@ -756,22 +756,27 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
 }
 
 /* One block per virtual row, one thread per output dim: merges the row's partials of every block that
- * had keys, in block order. The weights come first (one warp, into shared memory), so each thread's
- * loads of the partials are independent of each other and all in flight together. */
+ * had keys, in block order. Each thread issues its loads of the partials at once, while warp 0 computes the
+ * weights (into shared memory): one round trip to L2 after the wait, not two. */
 template <int HD, bool PADDED>
 __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnParams p, const float *ws) {
+    static_assert(HD <= kDecodeThreads, "one thread per output dim");
     __shared__ float weight[kDecodeBlocks];
     __shared__ float inv_sum;
     pdl_trigger();
-    pdl_wait();
-    const attn_segment seg = p.segments[blockIdx.z];
+    const attn_segment seg = p.segments[blockIdx.z]; /* the graph's input: readable before the wait */
     const int G = p.group, rows_total = seg.num_q * G, num_k = seg.num_k, row = blockIdx.x;
+    pdl_wait();
     if (seg.num_q <= 0 || num_k <= 0 || row >= rows_total) return; /* block-uniform */
     const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys, parts = min(n_chunks, kDecodeBlocks);
     const size_t problem = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
     const float *wo = ws + problem * DecodeConfig<HD>::PART_ROWS * HD;
     const float2 *wml = reinterpret_cast<const float2 *>(ws + (size_t)gridDim.z * gridDim.y * DecodeConfig<HD>::PART_ROWS * HD) +
                         problem * DecodeConfig<HD>::PART_ROWS;
+    const int hd = PADDED ? p.head_dim : HD, d = threadIdx.x;
+    float part[kDecodeBlocks]; /* this dim of every part's O (finite; 0 past the parts) */
+#pragma unroll
+    for (int b = 0; b < kDecodeBlocks; b++) part[b] = b < parts && d < hd ? wo[((size_t)b * kDecodeRows + row) * HD + d] : 0.f;
     if (threadIdx.x < 32) {
         /* lane b holds part b's (max, sum); a part that saw no key of this row has sum 0 and weighs 0 */
         const int lane = threadIdx.x;
@@ -785,14 +790,14 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnPara
         if (lane == 0) inv_sum = 1.f / L; /* every row sees key 0, so some part has sum > 0 */
     }
     __syncthreads();
-    const int t = row / G, hh = row - t * G, hd = PADDED ? p.head_dim : HD;
+    if (d >= hd) return;
+    const int t = row / G, hh = row - t * G;
     uint16_t *dst = p.out + ((size_t)seg.q_row + t) * p.ldo + ((size_t)blockIdx.y * G + hh) * hd;
-    for (int d = threadIdx.x; d < hd; d += kDecodeThreads) {
-        float acc = 0.f;
-#pragma unroll 8
-        for (int b = 0; b < parts; b++) acc += wo[((size_t)b * kDecodeRows + row) * HD + d] * weight[b]; /* finite, weight 0 or not */
-        dst[d] = __bfloat16_as_ushort(__float2bfloat16(acc * inv_sum));
-    }
+    float acc = 0.f;
+#pragma unroll
+    for (int b = 0; b < kDecodeBlocks; b++)
+        if (b < parts) acc += part[b] * weight[b]; /* in block order, as before: the same sums */
+    dst[d] = __bfloat16_as_ushort(__float2bfloat16(acc * inv_sum));
 }
 
 template <int HD, bool PADDED>

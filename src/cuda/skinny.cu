@@ -70,20 +70,31 @@ __device__ __forceinline__ uint4 load_stream(const uint16_t *p) {
 /* The bias of output column n (0 without one). */
 __device__ __forceinline__ float col_bias(const SkinnyParams &p, int n) { return p.col_bias ? p.col_bias[n] : 0.f; }
 
-/* Rotates the pair (lo, hi) = columns (i, i + head_dim / 2) of `head` in row m and stores it: q to out,
+/* What RoPE needs from memory for column pair i of row m: the rotation at the row's position and its cache row.
+ * Constants of the step (the graph's inputs and tables), so a kernel may read them before griddepcontrol.wait. */
+struct RopeAt {
+    float c, s;
+    int cache_row;
+};
+
+__device__ __forceinline__ RopeAt rope_at(const SkinnyParams &p, int m, int i) {
+    const size_t at = (size_t)p.positions[m] * (p.head_dim / 2) + i;
+    return {p.rope_cos[at], p.rope_sin[at], p.cache_rows[m]};
+}
+
+/* Rotates the pair (lo, hi) = columns (i, i + head_dim / 2) of `head` in row m by r and stores it: q to out,
  * k rotated and v as is to the row's cache row. */
-__device__ __forceinline__ void store_rope(const SkinnyParams &p, int m, int head, int i, float lo, float hi) {
+__device__ __forceinline__ void store_rope(const SkinnyParams &p, int m, int head, int i, float lo, float hi, RopeAt r) {
     const int hd = p.head_dim, half = hd / 2, kv_dim = p.kv_heads * hd;
     uint16_t *dst;
     if (head < p.heads + p.kv_heads) {
-        const size_t at = (size_t)p.positions[m] * half + i;
-        const float c = p.rope_cos[at], s = p.rope_sin[at], x1 = lo, x2 = hi;
-        lo = x1 * c - x2 * s;
-        hi = x2 * c + x1 * s;
+        const float x1 = lo, x2 = hi;
+        lo = x1 * r.c - x2 * r.s;
+        hi = x2 * r.c + x1 * r.s;
         dst = head < p.heads ? p.out + (size_t)m * p.n + (size_t)head * hd
-                             : p.cache_k + (size_t)p.cache_rows[m] * kv_dim + (size_t)(head - p.heads) * hd;
+                             : p.cache_k + (size_t)r.cache_row * kv_dim + (size_t)(head - p.heads) * hd;
     } else {
-        dst = p.cache_v + (size_t)p.cache_rows[m] * kv_dim + (size_t)(head - p.heads - p.kv_heads) * hd;
+        dst = p.cache_v + (size_t)r.cache_row * kv_dim + (size_t)(head - p.heads - p.kv_heads) * hd;
     }
     dst[i] = __bfloat16_as_ushort(__float2bfloat16(lo));
     dst[i + half] = __bfloat16_as_ushort(__float2bfloat16(hi));
@@ -128,6 +139,13 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
 #pragma unroll
         for (int j = 0; j < NT; j++) tile_n[j] = head * p.head_dim + j * (p.head_dim / 2) + i0 + g;
     }
+
+    /* RoPE's factors for this thread's first output pair (e = threadIdx.x in the epilogue): constants of the step,
+     * read now, so that the epilogue's two dependent loads (position, then factors) are not on the chain after the
+     * product. */
+    RopeAt early_rope = {0.f, 0.f, 0};
+    if (rope && (int)threadIdx.x < 16 * (NC / 2) && m0 + (int)threadIdx.x / (NC / 2) < p.m)
+        early_rope = rope_at(p, m0 + (int)threadIdx.x / (NC / 2), i0 + (int)threadIdx.x % (NC / 2));
 
     float acc[NT][4];
 #pragma unroll
@@ -175,6 +193,20 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
         }
     }
 
+    /* The residual (and gate) of this thread's first output, loaded now: the load overlaps the warps' reduction
+     * below rather than following it. (Not before the product: live across the loop, their registers would cost
+     * the weight loads in flight.) A warp that ran no pass has not waited for the kernel before: it waits here. */
+    const int pairs = rope || p.epilogue == SKINNY_GELU_MUL, per_row = pairs ? NC / 2 : NC;
+    const int first_m = m0 + (int)threadIdx.x / per_row, first_n = n0 + (int)threadIdx.x % per_row;
+    const bool early = NT <= 2 && p.epilogue == SKINNY_RESIDUAL && (int)threadIdx.x < 16 * per_row && first_m < p.m &&
+                       first_n < p.n; /* (NT 4 is gate|up's kernel: its epilogue stays as it was) */
+    float early_res = 0.f, early_gate = 1.f;
+    if (early) {
+        pdl_wait();
+        early_res = p.residual[(size_t)first_m * p.n + first_n];
+        early_gate = p.gate ? p.gate[first_n] : 1.f;
+    }
+
     /* Partials to shared memory: [warp][row][column], then sums of squares [warp][row]. */
     float *part = smem + warp * 16 * NC;
     float *ss = smem + warps * 16 * NC;
@@ -207,12 +239,11 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
             const float scale = row_scale(p, ss, warps, row);
             const int col_lo = head * p.head_dim + i0 + c, col_hi = col_lo + p.head_dim / 2;
             store_rope(p, m, head, i0 + c, column_total<NC>(smem, warps, row, c) * scale + col_bias(p, col_lo),
-                       column_total<NC>(smem, warps, row, c + half_cols) * scale + col_bias(p, col_hi));
+                       column_total<NC>(smem, warps, row, c + half_cols) * scale + col_bias(p, col_hi),
+                       e == (int)threadIdx.x ? early_rope : rope_at(p, m, i0 + c));
         }
         return;
     }
-    const int pairs = p.epilogue == SKINNY_GELU_MUL;
-    const int per_row = pairs ? NC / 2 : NC;
     for (int e = threadIdx.x; e < 16 * per_row; e += blockDim.x) {
         const int row = e / per_row, col = (e % per_row) << pairs, m = m0 + row, n = n0 + col;
         if (m >= p.m || n >= p.n) continue;
@@ -225,7 +256,8 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
             p.out[(size_t)m * (p.n / 2) + n / 2] = __bfloat16_as_ushort(__float2bfloat16(gelu_tanh(v0) * v1));
         } else {
             const size_t i = (size_t)m * p.n + n;
-            const float r = p.residual[i] + (p.gate ? p.gate[n] * v0 : v0);
+            const bool mine = early && e == (int)threadIdx.x; /* read above */
+            const float r = (mine ? early_res : p.residual[i]) + (mine ? early_gate : p.gate ? p.gate[n] : 1.f) * v0;
             p.residual[i] = r;
             p.residual_bf16[i] = __bfloat16_as_ushort(__float2bfloat16(r));
         }

@@ -139,6 +139,10 @@ TEST(pi0_expert_shapes) {
     run_case((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0, 0}); /* o_proj + residual */
     run_case((skinny_case){11, 8192, 1024, SKINNY_GELU_MUL, 1, 0}); /* gate|up, post-attention norm, gelu x up */
     run_case((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0, 0}); /* down + residual */
+    /* a residual through the 4-tile blocks (gate|up's kernel, whose epilogue reads the residual late), one and two
+     * row tiles */
+    run_case((skinny_case){11, 8200, 1024, SKINNY_RESIDUAL, 0, 1});
+    run_case((skinny_case){17, 8200, 1024, SKINNY_RESIDUAL, 0, 0});
 }
 
 TEST(pi05_expert_shapes) {
