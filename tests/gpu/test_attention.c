@@ -483,6 +483,21 @@ TEST(test_denoise_like) {
         c.nseg = B;
         run_case(&c);
     }
+    /* prefixes past 32 chunks of 32 keys: each of the few-queries kernels' slots walks 2-3 chunks (the running
+     * max rescaled between them), at head dims 256 and 128 (two warps a row tile) and 64 (one) */
+    static const int long_heads[][3] = {{8, 1, 256}, {4, 1, 128}, {3, 1, 64}};
+    for (int hc = 0; hc < 3; hc++) {
+        attn_segment segs[] = {{0, 11, 2, 2100, 2090}, {11, 11, 2110, 1100, 1090}};
+        char name[64];
+        snprintf(name, sizeof name, "denoise, long prefix, %d/%d x %d", long_heads[hc][0], long_heads[hc][1],
+                 long_heads[hc][2]);
+        attn_case c = base_case(name, long_heads[hc][0], long_heads[hc][1], long_heads[hc][2]);
+        c.q_amp = 3.0f;
+        c.v_shift = 10.0f;
+        c.segs = segs;
+        c.nseg = 2;
+        run_case(&c);
+    }
 }
 
 /* GQA and other head groupings, with and without a state mask, in Pi0's head dims and the fixtures' (16, 32). */
