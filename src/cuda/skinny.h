@@ -20,6 +20,10 @@
  *                    and one bf16 rounding fewer.
  * bf16 operands, float32 accumulation, statistics and epilogue; deterministic (fixed summation
  * order, no atomics).
+ *
+ * Launched as programmatic dependents (device.cuh), the kernels read w, in_scale, positions, cache_rows and the
+ * RoPE tables before waiting for the kernel before them: those must not be written by a kernel of the same
+ * chain (they are weights, per-step constants and the graph's inputs). The rest is read after the wait.
  */
 #ifndef PI0_CUDA_SKINNY_H
 #define PI0_CUDA_SKINNY_H
