@@ -483,8 +483,8 @@ TEST(test_denoise_like) {
         c.nseg = B;
         run_case(&c);
     }
-    /* prefixes past 32 chunks of 32 keys: each of the few-queries kernels' slots walks 2-3 chunks (the running
-     * max rescaled between them), at head dims 256 and 128 (two warps a row tile) and 64 (one) */
+    /* prefixes past 32 chunks of 32 keys: each of the few-queries kernels' 32 blocks walks 2-3 chunks (the running
+     * max rescaled between them), at Gemma's head dim and two padded ones */
     static const int long_heads[][3] = {{8, 1, 256}, {4, 1, 128}, {3, 1, 64}};
     for (int hc = 0; hc < 3; hc++) {
         attn_segment segs[] = {{0, 11, 2, 2100, 2090}, {11, 11, 2110, 1100, 1090}};
