@@ -4,7 +4,9 @@
  * distinct weight sets, so that weights come from DRAM as they do across the expert's 18 layers),
  * the graph is replayed, and the time per op is the replay time / reps (launch gaps included).
  * Median, p90 and min over replays. Random inputs; only the timing matters here (the GPU tests
- * check the numbers).
+ * check the numbers). Two rows time the tiled attention at the seed workload's other shapes: the
+ * prefix (532 tokens, Gemma's 8 heads over 1 K/V head) and the ViT (2 images of 256 tokens, 16 heads
+ * of 72), and the last rows the prefix's at each forced key split.
  *
  * Usage: build/bench/layer_lab [--rows 11] [--keys 543] [--replays 30]
  */
@@ -25,6 +27,11 @@
 #define HEAD_DIM 256
 #define MLP 4096
 #define QKV (HEADS * HEAD_DIM + 2 * HEAD_DIM)
+#define PREFIX 532 /* the seed workload's prefix: 2 images of 256 tokens and a 20-token prompt */
+#define VIT_TOKENS 256
+#define VIT_HEADS 16
+#define VIT_HEAD_DIM 72
+#define VIT_WIDTH (VIT_HEADS * VIT_HEAD_DIM)
 
 #define CK(call)                                                                              \
     do {                                                                                      \
@@ -47,6 +54,9 @@ typedef struct {
     size_t attn_ws_bytes;
     int *pos, *cache_rows;
     attn_segment *segment;
+    /* the prefix's attention (PREFIX tokens, Gemma's heads) and the ViT's (2 images of 256 tokens) */
+    pi0_bf16 *prefix_qkv, *prefix_k, *prefix_v, *prefix_out, *vit_qkv, *vit_out;
+    attn_segment *prefix_segment, *vit_segments;
     gemm_context gemm;
     cudaStream_t stream;
 } lab;
@@ -76,14 +86,14 @@ static void *zeros(size_t bytes) {
 }
 
 typedef enum { OP_QKV, OP_QKV_ROPE, OP_O, OP_GATE_UP, OP_DOWN, OP_ROPE, OP_ATTENTION, OP_NORM, OP_GELU, OP_LAYER,
-               OP_QKV_LT, OP_O_LT, OP_GATE_UP_LT, OP_DOWN_LT, OP_LAYER_LT, NUM_OPS } op;
+               OP_QKV_LT, OP_O_LT, OP_GATE_UP_LT, OP_DOWN_LT, OP_LAYER_LT, OP_ATTN_PREFIX, OP_ATTN_VIT, NUM_OPS } op;
 static const char *op_names[NUM_OPS] = {
     "skinny QKV (norm)", "skinny QKV (norm, rope, cache)", "skinny o_proj (+res)", "skinny gate|up (norm, gelu)", "skinny down (+res)", "rope + cache",
     "attention", "rmsnorm", "gelu x up", "layer, skinny path", "cublasLt QKV", "cublasLt o_proj", "cublasLt gate|up",
-    "cublasLt down", "layer, cublasLt path"};
+    "cublasLt down", "layer, cublasLt path", "attention, prefix (532 tokens)", "attention, ViT (2 x 256 tokens)"};
 static const double op_bytes[NUM_OPS] = {2.0 * QKV * WIDTH, 2.0 * QKV * WIDTH, 2.0 * WIDTH * HEADS * HEAD_DIM, 4.0 * MLP * WIDTH,
                                          2.0 * WIDTH * MLP, 0, 0, 0, 0, 0, 2.0 * QKV * WIDTH, 2.0 * WIDTH * HEADS * HEAD_DIM,
-                                         4.0 * MLP * WIDTH, 2.0 * WIDTH * MLP, 0};
+                                         4.0 * MLP * WIDTH, 2.0 * WIDTH * MLP, 0, 0, 0};
 
 static void enqueue(lab *L, op o, int layer) {
     const layer_w *w = &L->w[layer];
@@ -138,6 +148,16 @@ static void enqueue(lab *L, op o, int layer) {
         for (size_t i = 0; i < sizeof seq / sizeof seq[0]; i++) enqueue(L, seq[i], layer);
         break;
     }
+    case OP_ATTN_PREFIX:
+        CK(pi0_cuda_attention_ws(L->prefix_out, HEADS * HEAD_DIM, L->prefix_qkv, QKV, L->prefix_k, L->prefix_v, HEAD_DIM,
+                                 L->prefix_segment, 1, PREFIX, HEADS, 1, HEAD_DIM, 1.0f / 16.0f, L->attn_ws,
+                                 L->attn_ws_bytes, st));
+        break;
+    case OP_ATTN_VIT:
+        CK(pi0_cuda_attention(L->vit_out, VIT_WIDTH, L->vit_qkv, 3 * VIT_WIDTH, L->vit_qkv + VIT_WIDTH,
+                              L->vit_qkv + 2 * VIT_WIDTH, 3 * VIT_WIDTH, L->vit_segments, 2, VIT_TOKENS, VIT_HEADS,
+                              VIT_HEADS, VIT_HEAD_DIM, 0.1178511f, st));
+        break;
     default: break;
     }
     if (err.status) {
@@ -240,6 +260,17 @@ int main(int argc, char **argv) {
     L.attn_ws_bytes = pi0_cuda_attention_workspace(1, 1, HEAD_DIM);
     L.attn_ws = zeros(L.attn_ws_bytes);
     CK(cudaMemcpy(L.segment, &seg, sizeof seg, cudaMemcpyHostToDevice));
+    L.prefix_qkv = random_bf16((size_t)PREFIX * QKV, 1.0f);
+    L.prefix_k = random_bf16((size_t)PREFIX * HEAD_DIM, 1.0f), L.prefix_v = random_bf16((size_t)PREFIX * HEAD_DIM, 1.0f);
+    L.prefix_out = zeros((size_t)PREFIX * HEADS * HEAD_DIM * 2);
+    const attn_segment prefix_seg = {0, PREFIX, 0, PREFIX, 0};
+    L.prefix_segment = zeros(sizeof prefix_seg);
+    CK(cudaMemcpy(L.prefix_segment, &prefix_seg, sizeof prefix_seg, cudaMemcpyHostToDevice));
+    L.vit_qkv = random_bf16((size_t)2 * VIT_TOKENS * 3 * VIT_WIDTH, 1.0f);
+    L.vit_out = zeros((size_t)2 * VIT_TOKENS * VIT_WIDTH * 2);
+    const attn_segment vit_segs[2] = {{0, VIT_TOKENS, 0, VIT_TOKENS, 0}, {VIT_TOKENS, VIT_TOKENS, VIT_TOKENS, VIT_TOKENS, 0}};
+    L.vit_segments = zeros(sizeof vit_segs);
+    CK(cudaMemcpy(L.vit_segments, vit_segs, sizeof vit_segs, cudaMemcpyHostToDevice));
 
     printf("rows %d, keys %d, %d ops per graph over %d weight sets, %d replays\n", m, L.keys, REPS, LAYERS, replays);
     printf("%-30s %8s %8s %8s %8s\n", "op (us per op, in a graph)", "median", "p90", "min", "TB/s");
@@ -256,6 +287,12 @@ int main(int argc, char **argv) {
             pi0_cuda_attention_set_split(split);
             measure(&L, OP_ATTENTION, replays, label);
         }
+    }
+    for (int split = 1; split <= 8; split *= 2) { /* the prefix's attention at each split */
+        char label[64];
+        snprintf(label, sizeof label, "attention, prefix, split %d", split);
+        pi0_cuda_attention_set_split(split);
+        measure(&L, OP_ATTN_PREFIX, replays, label);
     }
     pi0_cuda_attention_set_split(0);
     return 0;
