@@ -135,6 +135,36 @@ __device__ __forceinline__ void zero_pad_columns(uint16_t *s, int rows, int chun
         *reinterpret_cast<uint4 *>(s + (i / pad) * C::LDS + (chunks + i % pad) * 8) = make_uint4(0, 0, 0, 0);
 }
 
+/*
+ * Rows [r_begin, r_begin + n) of a block's virtual query rows into shared memory (row r - r_begin at
+ * sq + (r - r_begin) * ld): virtual row r is token r / G, head r % G of qbase (rows ldq apart, heads hd apart); rows
+ * from rows_total on are zeros. This runs right after the wait on the kernel that wrote q, so its issue cost is
+ * on the chain: when the block's threads are a multiple of the row's chunks, each thread copies one column chunk
+ * of every step-th row and walks (token, head) by adding, not by a division per row.
+ */
+__device__ __forceinline__ void copy_q_rows(uint16_t *sq, int ld, const uint16_t *qbase, int ldq, int hd, int G, int r_begin,
+                                            int n, int rows_total, int chunks, int tid, int threads, bool vec) {
+    if (threads % chunks) {
+        for (int i = tid; i < n * chunks; i += threads) {
+            const int r = i / chunks, c = i % chunks, vr = r_begin + r;
+            const bool valid = vr < rows_total;
+            const int t = valid ? vr / G : 0, hh = valid ? vr - t * G : 0;
+            copy_chunk(sq + r * ld + c * 8, qbase + (size_t)t * ldq + hh * hd + c * 8, valid, vec);
+        }
+        return;
+    }
+    const int step = threads / chunks, c = tid % chunks, step_t = step / G, step_h = step % G;
+    int r = tid / chunks, vr = r_begin + r, t = vr / G, hh = vr - t * G;
+    for (; r < n; r += step, vr += step, t += step_t, hh += step_h) {
+        if (hh >= G) { /* step_h < G: one carry at most */
+            hh -= G;
+            t++;
+        }
+        const bool valid = vr < rows_total;
+        copy_chunk(sq + r * ld + c * 8, qbase + (size_t)(valid ? t : 0) * ldq + (valid ? hh : 0) * hd + c * 8, valid, vec);
+    }
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
@@ -328,12 +358,7 @@ __global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(A
     if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, 3 * kRows, chunks, tid, kThreads);
 
     /* Q tile: virtual row r -> token r / G, head kvh * G + r % G; rows past the segment are zeros. */
-    for (int i = tid; i < kRows * chunks; i += kThreads) {
-        const int r = i / chunks, c = i % chunks, vr = r_begin + r;
-        const bool valid = vr < rows_total;
-        const int t = valid ? vr / G : 0, hh = valid ? vr - t * G : 0;
-        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * hd + c * 8, valid, vec_q);
-    }
+    copy_q_rows(sQ, C::LDS, qbase, p.ldq, hd, G, r_begin, kRows, rows_total, chunks, tid, kThreads, vec_q);
     cp_async_commit();
 
     auto load_kv = [&](uint16_t *dst, const uint16_t *base, int key0) {
@@ -462,10 +487,13 @@ __global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(A
     }
     __syncwarp();
 
-    for (int i = lane; i < 16 * chunks; i += 32) {
-        const int r = i / chunks, c = i % chunks, vr = r_begin + warp * 16 + r;
-        if (vr >= rows_total) continue;
-        const int t = vr / G, hh = vr - t * G;
+    /* Lane l knows the token and head of the warp's row l % 16 (one division a lane, not one a store); the stores
+     * take them by shuffle, so every lane runs every round. */
+    const int own_vr = r_begin + warp * 16 + (lane & 15), own_t = own_vr / G, own_h = own_vr - own_t * G;
+    for (int base = 0; base < 16 * chunks; base += 32) {
+        const int i = base + lane, r = min(i / chunks, 15), c = i % chunks, vr = r_begin + warp * 16 + r;
+        const int t = __shfl_sync(0xffffffffu, own_t, r), hh = __shfl_sync(0xffffffffu, own_h, r);
+        if (i >= 16 * chunks || vr >= rows_total) continue;
         uint16_t *dst = obase + (size_t)t * p.ldo + hh * hd + c * 8;
         const uint16_t *src = so + r * C::LDS + c * 8;
         if (p.vec_o) {
@@ -689,12 +717,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     if (!has_chunk) return;
 
     if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, kDecodeRows + 2 * kDecodeKeys, chunks, tid, kDecodeThreads);
-    for (int i = tid; i < row_tiles * 16 * chunks; i += kDecodeThreads) {
-        const int r = i / chunks, c = i % chunks;
-        const bool valid = r < rows_total;
-        const int t = valid ? r / G : 0, hh = valid ? r - t * G : 0;
-        copy_chunk(sQ + r * C::LDS + c * 8, qbase + (size_t)t * p.ldq + hh * hd + c * 8, valid, vec_q);
-    }
+    copy_q_rows(sQ, C::LDS, qbase, p.ldq, hd, G, 0, row_tiles * 16, rows_total, chunks, tid, kDecodeThreads, vec_q);
     cp_async_commit();
 
     const int lrow = lane & 7, lsel1 = (lane >> 3) & 1, lsel2 = lane >> 4;
