@@ -432,18 +432,20 @@ __global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(A
             quad_max(mx0, mx1);
             /* A row with every logit so far masked would have mx = -inf; exp2(-inf - 0) = 0 keeps it NaN-free. */
             const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
-            const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
+            if (j != rank) { /* O and l are still 0 on the block's first tile: nothing to rescale */
+                const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
+                l0 *= alpha0;
+                l1 *= alpha1;
+#pragma unroll
+                for (int t = 0; t < C::NTO; t++) {
+                    o[t][0] *= alpha0;
+                    o[t][1] *= alpha0;
+                    o[t][2] *= alpha1;
+                    o[t][3] *= alpha1;
+                }
+            }
             m0 = mx0;
             m1 = mx1;
-            l0 *= alpha0;
-            l1 *= alpha1;
-#pragma unroll
-            for (int t = 0; t < C::NTO; t++) {
-                o[t][0] *= alpha0;
-                o[t][1] *= alpha0;
-                o[t][2] *= alpha1;
-                o[t][3] *= alpha1;
-            }
             exp_scores(s, base0, base1, l0, l1);
         }
 
@@ -746,13 +748,16 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
             mask_scores(s, key0, quad_col, vis0, vis1, p.scale_log2, mx0, mx1);
             /* rows with every key so far masked keep mx = -inf: exp2(-inf - 0) = 0, no NaN */
             const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
-            const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
-            m0 = mx0, m1 = mx1, l0 *= alpha0, l1 *= alpha1;
+            if (chunk != (int)blockIdx.x) { /* O and l are still 0 on the block's first chunk (the only one at ~540 keys) */
+                const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
+                l0 *= alpha0, l1 *= alpha1;
 #pragma unroll
-            for (int t = 0; t < C::NTO; t++) {
-                o[t][0] *= alpha0, o[t][1] *= alpha0;
-                o[t][2] *= alpha1, o[t][3] *= alpha1;
+                for (int t = 0; t < C::NTO; t++) {
+                    o[t][0] *= alpha0, o[t][1] *= alpha0;
+                    o[t][2] *= alpha1, o[t][3] *= alpha1;
+                }
             }
+            m0 = mx0, m1 = mx1;
             exp_scores(s, base0, base1, l0, l1);
             accumulate_pv<HD, kDecodeKeys>(o, s, v_addr);
         }
@@ -778,17 +783,17 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     }
 }
 
-/* One block per virtual row, one thread per output dim: merges the row's partials of every block that
- * had keys, in block order. Each thread issues its loads of the partials at once, while warp 0 computes the
- * weights (into shared memory): one round trip to L2 after the wait, not two. */
+/* One block per virtual row, one thread per output dim: merges the row's partials of every block that had keys, in
+ * block order. Each thread issues its loads of the partials at once; every warp computes the weights itself (lane b
+ * from part b's max and sum: the same arithmetic, the same values in every warp) and its lanes take them by shuffle,
+ * so one round trip to L2 follows the wait and no barrier does. */
 template <int HD, bool PADDED>
 __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnParams p, const float *ws) {
     static_assert(HD <= kDecodeThreads, "one thread per output dim");
-    __shared__ float weight[kDecodeBlocks];
-    __shared__ float inv_sum;
     pdl_trigger();
     const attn_segment seg = p.segments[blockIdx.z]; /* the graph's input: readable before the wait */
     const int G = p.group, rows_total = seg.num_q * G, num_k = seg.num_k, row = blockIdx.x;
+    const int t = row / G, hh = row - t * G; /* the row's token and head */
     pdl_wait();
     if (seg.num_q <= 0 || num_k <= 0 || row >= rows_total) return; /* block-uniform */
     const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys, parts = min(n_chunks, kDecodeBlocks);
@@ -796,31 +801,26 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnPara
     const float *wo = ws + problem * DecodeConfig<HD>::PART_ROWS * HD;
     const float2 *wml = reinterpret_cast<const float2 *>(ws + (size_t)gridDim.z * gridDim.y * DecodeConfig<HD>::PART_ROWS * HD) +
                         problem * DecodeConfig<HD>::PART_ROWS;
-    const int hd = PADDED ? p.head_dim : HD, d = threadIdx.x;
+    const int hd = PADDED ? p.head_dim : HD, d = threadIdx.x, lane = threadIdx.x & 31;
     float part[kDecodeBlocks]; /* this dim of every part's O (finite; 0 past the parts) */
 #pragma unroll
     for (int b = 0; b < kDecodeBlocks; b++) part[b] = b < parts && d < hd ? wo[((size_t)b * kDecodeRows + row) * HD + d] : 0.f;
-    if (threadIdx.x < 32) {
-        /* lane b holds part b's (max, sum); a part that saw no key of this row has sum 0 and weighs 0 */
-        const int lane = threadIdx.x;
-        const float2 ml = lane < parts ? wml[(size_t)lane * kDecodeRows + row] : make_float2(-INFINITY, 0.f);
-        float M = ml.y > 0.f ? ml.x : -INFINITY;
-        for (int off = 16; off; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-        const float w = ml.y > 0.f ? exp2f(ml.x - M) : 0.f;
-        float L = ml.y * w;
-        for (int off = 16; off; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
-        weight[lane] = w;
-        if (lane == 0) inv_sum = 1.f / L; /* every row sees key 0, so some part has sum > 0 */
-    }
-    __syncthreads();
-    if (d >= hd) return;
-    const int t = row / G, hh = row - t * G;
-    uint16_t *dst = p.out + ((size_t)seg.q_row + t) * p.ldo + ((size_t)blockIdx.y * G + hh) * hd;
+    /* lane b: part b's (max, sum); a part that saw no key of this row has sum 0 and weighs 0 */
+    const float2 ml = lane < parts ? wml[(size_t)lane * kDecodeRows + row] : make_float2(-INFINITY, 0.f);
+    float M = ml.y > 0.f ? ml.x : -INFINITY;
+    for (int off = 16; off; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    const float w = ml.y > 0.f ? exp2f(ml.x - M) : 0.f;
+    float L = ml.y * w;
+    for (int off = 16; off; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
     float acc = 0.f;
 #pragma unroll
-    for (int b = 0; b < kDecodeBlocks; b++)
-        if (b < parts) acc += part[b] * weight[b]; /* in block order, as before: the same sums */
-    dst[d] = __bfloat16_as_ushort(__float2bfloat16(acc * inv_sum));
+    for (int b = 0; b < kDecodeBlocks; b++) {
+        const float wb = __shfl_sync(0xffffffffu, w, b); /* 0 past the parts */
+        if (b < parts) acc += part[b] * wb;              /* in block order, as before: the same sums */
+    }
+    if (d >= hd) return;
+    uint16_t *dst = p.out + ((size_t)seg.q_row + t) * p.ldo + ((size_t)blockIdx.y * G + hh) * hd;
+    dst[d] = __bfloat16_as_ushort(__float2bfloat16(acc * (1.f / L))); /* every row sees key 0: some part has sum > 0 */
 }
 
 template <int HD, bool PADDED>
