@@ -193,14 +193,15 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
         }
     }
 
-    /* The residual (and gate) of this thread's first output, loaded now: the load overlaps the warps' reduction
-     * below rather than following it. (Not before the product: live across the loop, their registers would cost
-     * the weight loads in flight.) A warp that ran no pass has not waited for the kernel before: it waits here. */
-    /* outputs (columns, or column pairs) per block row: a power of two, so that the epilogue's index math is shifts
-     * (a division here is ~20 dependent instructions on the chain after the product) */
+    /* Outputs (columns, or column pairs) per block row: a power of two, so that the epilogue's index math is shifts
+     * (a division here is ~20 dependent instructions on the chain after the product). */
     constexpr int LOG2_NC = NT == 4 ? 5 : NT == 2 ? 4 : 3;
     static_assert(NC == 1 << LOG2_NC, "NC is 8 NT");
     const int pairs = rope || p.epilogue == SKINNY_GELU_MUL, row_shift = LOG2_NC - pairs, per_row = 1 << row_shift;
+
+    /* The residual (and gate) of this thread's first output, loaded now: the load overlaps the warps' reduction
+     * below rather than following it. (Not before the product: live across the loop, their registers would cost
+     * the weight loads in flight.) A warp that ran no pass has not waited for the kernel before: it waits here. */
     const int first_m = m0 + ((int)threadIdx.x >> row_shift), first_n = n0 + ((int)threadIdx.x & (per_row - 1));
     const bool early = NT <= 2 && p.epilogue == SKINNY_RESIDUAL && (int)threadIdx.x < 16 * per_row && first_m < p.m &&
                        first_n < p.n; /* (NT 4 is gate|up's kernel: its epilogue stays as it was) */
