@@ -165,6 +165,24 @@ __device__ __forceinline__ void copy_q_rows(uint16_t *sq, int ld, const uint16_t
     }
 }
 
+/* The online softmax's step to a new running max: O and the row sums l of this lane's two rows scaled by
+ * exp2(m - base), m the old max, base the new one's finite stand-in. Both kernels skip it on a block's first
+ * keys, where O and l are still 0. */
+template <int NTO>
+__device__ __forceinline__ void rescale_running(float (&o)[NTO][4], float &l0, float &l1, float m0, float m1, float base0,
+                                                float base1) {
+    const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
+    l0 *= alpha0;
+    l1 *= alpha1;
+#pragma unroll
+    for (int t = 0; t < NTO; t++) {
+        o[t][0] *= alpha0;
+        o[t][1] *= alpha0;
+        o[t][2] *= alpha1;
+        o[t][3] *= alpha1;
+    }
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
@@ -432,18 +450,7 @@ __global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(A
             quad_max(mx0, mx1);
             /* A row with every logit so far masked would have mx = -inf; exp2(-inf - 0) = 0 keeps it NaN-free. */
             const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
-            if (j != rank) { /* O and l are still 0 on the block's first tile: nothing to rescale */
-                const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
-                l0 *= alpha0;
-                l1 *= alpha1;
-#pragma unroll
-                for (int t = 0; t < C::NTO; t++) {
-                    o[t][0] *= alpha0;
-                    o[t][1] *= alpha0;
-                    o[t][2] *= alpha1;
-                    o[t][3] *= alpha1;
-                }
-            }
+            if (j != rank) rescale_running(o, l0, l1, m0, m1, base0, base1); /* O, l still 0 on the first tile */
             m0 = mx0;
             m1 = mx1;
             exp_scores(s, base0, base1, l0, l1);
@@ -748,15 +755,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
             mask_scores(s, key0, quad_col, vis0, vis1, p.scale_log2, mx0, mx1);
             /* rows with every key so far masked keep mx = -inf: exp2(-inf - 0) = 0, no NaN */
             const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
-            if (chunk != (int)blockIdx.x) { /* O and l are still 0 on the block's first chunk (the only one at ~540 keys) */
-                const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
-                l0 *= alpha0, l1 *= alpha1;
-#pragma unroll
-                for (int t = 0; t < C::NTO; t++) {
-                    o[t][0] *= alpha0, o[t][1] *= alpha0;
-                    o[t][2] *= alpha1, o[t][3] *= alpha1;
-                }
-            }
+            /* O and l are still 0 on the block's first chunk (the only one at ~540 keys) */
+            if (chunk != (int)blockIdx.x) rescale_running(o, l0, l1, m0, m1, base0, base1);
             m0 = mx0, m1 = mx1;
             exp_scores(s, base0, base1, l0, l1);
             accumulate_pv<HD, kDecodeKeys>(o, s, v_addr);
