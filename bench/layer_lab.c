@@ -156,7 +156,7 @@ static void enqueue(lab *L, op o, int layer) {
     case OP_ATTN_VIT:
         CK(pi0_cuda_attention(L->vit_out, VIT_WIDTH, L->vit_qkv, 3 * VIT_WIDTH, L->vit_qkv + VIT_WIDTH,
                               L->vit_qkv + 2 * VIT_WIDTH, 3 * VIT_WIDTH, L->vit_segments, 2, VIT_TOKENS, VIT_HEADS,
-                              VIT_HEADS, VIT_HEAD_DIM, 0.1178511f, st));
+                              VIT_HEADS, VIT_HEAD_DIM, 1.0f / sqrtf((float)VIT_HEAD_DIM), st));
         break;
     default: break;
     }
