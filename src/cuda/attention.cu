@@ -47,9 +47,11 @@
  * (One instantiation per head dim instead, 32 of them, would take this file's build from ~30 s to ~4 min
  * for the four GPU archs, and the library from ~3 to ~13 MB.)
  *
- * Trade-offs and what is left on the table: (1) mma.sync rather than Hopper's wgmma/TMA: portable to
- * sm_80..sm_90 and simple; attention is a small share of the inference (docs/performance.md), so well under the
- * wgmma peak is acceptable for now. (2) The key split is capped at 16 (a non-portable cluster,
+ * On an H100/H200, head dim 256 (Gemma: the prefix, and denoise steps too long for the few-queries kernels) runs
+ * attention_wg_kernel below instead: the same blocks with wgmma products and tensor-copy (TMA) loads.
+ *
+ * Trade-offs and what is left on the table: (1) mma.sync for everything else (sm_80..sm_89, and the ViT's head
+ * dim 72 on Hopper). (2) The key split is capped at 16 (a non-portable cluster,
  * sm_90); a batch-1 denoise step walks at most one tile per block. (3) Unaligned pointers or leading dimensions (not
  * multiples of 8 elements) take a correct but slow scalar copy path instead of cp.async. (4) P is
  * rounded to bf16 before P V (relative error ~2^-9 per weight, as in FlashAttention); the row sum l
@@ -57,6 +59,7 @@
  */
 #include "cuda/attention.h"
 #include "cuda/device.cuh"
+#include "cuda/hopper.cuh"
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -67,6 +70,7 @@
 #include <string.h>
 
 #include <cuda_bf16.h>
+#include <cudaTypedefs.h>
 
 namespace {
 
@@ -135,15 +139,47 @@ __device__ __forceinline__ void zero_pad_columns(uint16_t *s, int rows, int chun
         *reinterpret_cast<uint4 *>(s + (i / pad) * C::LDS + (chunks + i % pad) * 8) = make_uint4(0, 0, 0, 0);
 }
 
+/* Element offset of column chunk c (8 columns) of row r in a shared-memory tile: row-major with rows ld apart (for
+ * ldmatrix), or, SWIZZLED, the 128-byte swizzle that wgmma and the tensor copies use (hopper.cuh): 64-column blocks
+ * ld elements apart, rows 64 elements apart in a block, chunk c at chunk (c ^ r) % 8 of its row. */
+template <bool SWIZZLED>
+__device__ __forceinline__ int tile_at(int r, int c, int ld) {
+    return SWIZZLED ? (c >> 3) * ld + r * 64 + (((c ^ r) & 7) << 3) : r * ld + c * 8;
+}
+
+/* Column chunk c of rows r, r + step, ... (r < n) of a block's virtual query rows, walking (token, head) by adding:
+ * virtual row vr = r_begin + r is token vr / G, head vr % G of qbase. */
+template <bool SWIZZLED>
+__device__ __forceinline__ void copy_q_column(uint16_t *sq, int ld, const uint16_t *qbase, int ldq, int hd, int G,
+                                              int r_begin, int n, int rows_total, int c, int r, int step, bool vec) {
+    const int step_t = step / G, step_h = step % G;
+    int vr = r_begin + r, t = vr / G, hh = vr - t * G;
+    for (; r < n; r += step, vr += step, t += step_t, hh += step_h) {
+        if (hh >= G) { /* step_h < G: one carry at most */
+            hh -= G;
+            t++;
+        }
+        const bool valid = vr < rows_total;
+        copy_chunk(sq + tile_at<SWIZZLED>(r, c, ld), qbase + (size_t)(valid ? t : 0) * ldq + (valid ? hh : 0) * hd + c * 8,
+                   valid, vec);
+    }
+}
+
 /*
- * Rows [r_begin, r_begin + n) of a block's virtual query rows into shared memory (row r - r_begin at
- * sq + (r - r_begin) * ld): virtual row r is token r / G, head r % G of qbase (rows ldq apart, heads hd apart); rows
- * from rows_total on are zeros. This runs right after the wait on the kernel that wrote q, so its issue cost is
- * on the chain: when the block's threads are a multiple of the row's chunks, each thread copies one column chunk
- * of every step-th row and walks (token, head) by adding, not by a division per row.
+ * Rows [r_begin, r_begin + n) of a block's virtual query rows into a shared-memory tile (tile_at; row r - r_begin
+ * there); rows from rows_total on are zeros. This runs right after the wait on the kernel that wrote q, so its issue
+ * cost is on the chain: each thread walks rows of one column chunk (copy_q_column) rather than dividing per row. In
+ * the row-major layout consecutive threads take consecutive chunks of a row; in the swizzled one, 8 consecutive
+ * rows of a chunk (their 16-byte stores land in 8 different bank groups).
  */
+template <bool SWIZZLED>
 __device__ __forceinline__ void copy_q_rows(uint16_t *sq, int ld, const uint16_t *qbase, int ldq, int hd, int G, int r_begin,
                                             int n, int rows_total, int chunks, int tid, int threads, bool vec) {
+    if (SWIZZLED) {
+        for (int c = tid >> 3; c < chunks; c += threads >> 3)
+            copy_q_column<true>(sq, ld, qbase, ldq, hd, G, r_begin, n, rows_total, c, tid & 7, 8, vec);
+        return;
+    }
     if (threads % chunks) {
         for (int i = tid; i < n * chunks; i += threads) {
             const int r = i / chunks, c = i % chunks, vr = r_begin + r;
@@ -153,16 +189,8 @@ __device__ __forceinline__ void copy_q_rows(uint16_t *sq, int ld, const uint16_t
         }
         return;
     }
-    const int step = threads / chunks, c = tid % chunks, step_t = step / G, step_h = step % G;
-    int r = tid / chunks, vr = r_begin + r, t = vr / G, hh = vr - t * G;
-    for (; r < n; r += step, vr += step, t += step_t, hh += step_h) {
-        if (hh >= G) { /* step_h < G: one carry at most */
-            hh -= G;
-            t++;
-        }
-        const bool valid = vr < rows_total;
-        copy_chunk(sq + r * ld + c * 8, qbase + (size_t)(valid ? t : 0) * ldq + (valid ? hh : 0) * hd + c * 8, valid, vec);
-    }
+    copy_q_column<false>(sq, ld, qbase, ldq, hd, G, r_begin, n, rows_total, tid % chunks, tid / chunks,
+                         threads / chunks, vec);
 }
 
 /* The online softmax's step to a new running max: O and the row sums l of this lane's two rows scaled by
@@ -181,6 +209,49 @@ __device__ __forceinline__ void rescale_running(float (&o)[NTO][4], float &l0, f
         o[t][2] *= alpha1;
         o[t][3] *= alpha1;
     }
+}
+
+/*
+ * One 64-key tile's step of the online softmax for a lane's two rows: the scores S (mma C layout) of keys key0 ..
+ * key0 + 63 scaled into the log2 domain, -inf at keys before `lo` (a tile moved back to end at the last key, whose
+ * first keys were seen before) or past each row's visible count, the running max m over the quad, O and l rescaled
+ * to it (not on the block's first tile, where both are still 0), and S replaced by its probabilities, their sums
+ * added to l.
+ */
+template <int NTO>
+__device__ __forceinline__ void softmax_tile(float (&s)[kKeys / 8][4], float (&o)[NTO][4], float &m0, float &m1,
+                                             float &l0, float &l1, int key0, int lo, int vis0, int vis1, int quad_col,
+                                             float scale_log2, bool first) {
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; n++) {
+        s[n][0] *= scale_log2;
+        s[n][1] *= scale_log2;
+        s[n][2] *= scale_log2;
+        s[n][3] *= scale_log2;
+    }
+    if (lo > key0 || key0 + kKeys > vis0 || key0 + kKeys > vis1) {
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; n++) {
+            const int key = key0 + n * 8 + quad_col * 2;
+            if (key >= vis0 || key < lo) s[n][0] = -INFINITY;
+            if (key + 1 >= vis0 || key + 1 < lo) s[n][1] = -INFINITY;
+            if (key >= vis1 || key < lo) s[n][2] = -INFINITY;
+            if (key + 1 >= vis1 || key + 1 < lo) s[n][3] = -INFINITY;
+        }
+    }
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; n++) {
+        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    quad_max(mx0, mx1);
+    /* A row with every logit so far masked would have mx = -inf; exp2(-inf - 0) = 0 keeps it NaN-free. */
+    const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
+    if (!first) rescale_running(o, l0, l1, m0, m1, base0, base1);
+    m0 = mx0;
+    m1 = mx1;
+    exp_scores(s, base0, base1, l0, l1);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -236,6 +307,52 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[HD / 8][4], const float
             mma_bf16(o[C::NTO - 1], a, b[0], b[1]);
         }
     }
+}
+
+/* Bytes of one 64-column block of a 64-row swizzled tile (tile_at, SWIZZLED). */
+[[maybe_unused]] constexpr int kBlockBytes = kRows * 128;
+
+/* S = Q K^T over a 64-key tile as one warpgroup's wgmma batch (sm_90a): Q and K swizzled (tile_at), both K-major;
+ * q_desc / k_desc describe the tiles' first k16 step. Returns with s complete. */
+template <int HD>
+__device__ __forceinline__ void wg_scores(float (&s)[kKeys / 8][4], uint64_t q_desc, uint64_t k_desc) {
+    using C = AttnConfig<HD>;
+    static_assert(kKeys == 64 && kRows == 64, "one m64n64 product per k16 step");
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < C::KCH; kc++) { /* k16 step kc: 32 bytes on in a 128-byte row, 4 to a column block */
+        const uint64_t step = ((kc >> 2) * kBlockBytes + (kc & 3) * 32) >> 4;
+        wg_m64n64k16_ss(s, q_desc + step, k_desc + step, kc);
+    }
+    wg_commit();
+    wg_wait_all();
+    wg_pin(s);
+}
+
+/* O += P V over a 64-key tile as one warpgroup's wgmma batch (sm_90a): P from the S accumulators (rounded to bf16,
+ * as accumulate_pv), V swizzled (tile_at) and read MN-major (v_desc: 64-column blocks LBO apart, 8-key groups SBO). */
+template <int HD>
+__device__ __forceinline__ void wg_accumulate_pv(float (&o)[HD / 8][4], const float (&s)[kKeys / 8][4], uint64_t v_desc) {
+    using C = AttnConfig<HD>;
+    static_assert(C::NTO % 8 == 0, "m64n64 output blocks");
+    uint32_t a[kKeys / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < kKeys / 16; kc++) {
+        a[kc][0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
+        a[kc][1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
+        a[kc][2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        a[kc][3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < kKeys / 16; kc++)
+#pragma unroll
+        for (int nb = 0; nb < C::NTO / 8; nb++) /* keys 16 kc.. (16 rows of 128 bytes), dims 64 nb.. (a column block) */
+            wg_m64n64k16_rs_tb(*reinterpret_cast<float(*)[8][4]>(o + 8 * nb), a[kc],
+                               v_desc + ((nb * kBlockBytes + kc * 16 * 128) >> 4));
+    wg_commit();
+    wg_wait_all();
+    wg_pin(o);
 }
 
 /*
@@ -339,11 +456,47 @@ __device__ __forceinline__ void combine_split(const float (&o)[HD / 8][4], float
 #endif
 }
 
-/* head_dim 72: 4 blocks per SM (<= 128 registers); 256: 2 blocks per SM (shared memory bound); the
- * padded 128: 2 (at 128 registers it would spill). PADDED: the call's head dim is p.head_dim <= HD (see
+/*
+ * The end of an unsplit block: a warp's 16 rows of O / l, staged as bf16 in `so` (16 rows, stride LDS: the warp's
+ * own Q rows, no longer needed) and written with 16-byte stores. Lane l knows the token and head of the warp's row
+ * l % 16 (one division a lane, not one a store); the stores take them by shuffle, so every lane runs every round.
+ */
+template <int HD>
+__device__ __forceinline__ void store_rows(const float (&o)[HD / 8][4], float l0, float l1, uint16_t *so, int warp,
+                                           int lane, int r_begin, int rows_total, int G, int hd, int chunks,
+                                           uint16_t *obase, int ldo, bool vec_o) {
+    using C = AttnConfig<HD>;
+    const int quad_row = lane >> 2, quad_col = lane & 3;
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    __syncwarp(); /* every lane of the warp is done reading its Q rows */
+#pragma unroll
+    for (int t = 0; t < C::NTO; t++) {
+        *reinterpret_cast<uint32_t *>(so + quad_row * C::LDS + t * 8 + quad_col * 2) =
+            pack_bf16(o[t][0] * inv0, o[t][1] * inv0);
+        *reinterpret_cast<uint32_t *>(so + (quad_row + 8) * C::LDS + t * 8 + quad_col * 2) =
+            pack_bf16(o[t][2] * inv1, o[t][3] * inv1);
+    }
+    __syncwarp();
+    const int own_vr = r_begin + warp * 16 + (lane & 15), own_t = own_vr / G, own_h = own_vr - own_t * G;
+    for (int base = 0; base < 16 * chunks; base += 32) {
+        const int i = base + lane, r = min(i / chunks, 15), c = i % chunks, vr = r_begin + warp * 16 + r;
+        const int t = __shfl_sync(0xffffffffu, own_t, r), hh = __shfl_sync(0xffffffffu, own_h, r);
+        if (i >= 16 * chunks || vr >= rows_total) continue;
+        uint16_t *dst = obase + (size_t)t * ldo + hh * hd + c * 8;
+        const uint16_t *src = so + r * C::LDS + c * 8;
+        if (vec_o) {
+            *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) dst[e] = src[e];
+        }
+    }
+}
+
+/* The tiled kernel's work for its block (the design note above). PADDED: the call's head dim is p.head_dim <= HD (see
  * kernel_head_dim). */
 template <int HD, bool PADDED>
-__global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(AttnParams p) {
+__device__ __forceinline__ void attention_tiles(const AttnParams &p) {
     using C = AttnConfig<HD>;
     const int hd = PADDED ? p.head_dim : HD, chunks = hd / 8; /* global columns and 16-byte chunks of a head */
     const attn_segment seg = p.segments[blockIdx.z];
@@ -376,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(A
     if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, 3 * kRows, chunks, tid, kThreads);
 
     /* Q tile: virtual row r -> token r / G, head kvh * G + r % G; rows past the segment are zeros. */
-    copy_q_rows(sQ, C::LDS, qbase, p.ldq, hd, G, r_begin, kRows, rows_total, chunks, tid, kThreads, vec_q);
+    copy_q_rows<false>(sQ, C::LDS, qbase, p.ldq, hd, G, r_begin, kRows, rows_total, chunks, tid, kThreads, vec_q);
     cp_async_commit();
 
     auto load_kv = [&](uint16_t *dst, const uint16_t *base, int key0) {
@@ -420,40 +573,7 @@ __global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(A
         float s[8][4];
         if (warp_active) {
             compute_scores<HD, kKeys>(s, q_addr, k_addr);
-
-            /* Scale into the log2 domain; mask keys past each row's visible range. */
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-                s[n][0] *= p.scale_log2;
-                s[n][1] *= p.scale_log2;
-                s[n][2] *= p.scale_log2;
-                s[n][3] *= p.scale_log2;
-            }
-            if (key0 + kKeys > vis0 || key0 + kKeys > vis1) {
-#pragma unroll
-                for (int n = 0; n < 8; n++) {
-                    const int key = key0 + n * 8 + quad_col * 2;
-                    if (key >= vis0) s[n][0] = -INFINITY;
-                    if (key + 1 >= vis0) s[n][1] = -INFINITY;
-                    if (key >= vis1) s[n][2] = -INFINITY;
-                    if (key + 1 >= vis1) s[n][3] = -INFINITY;
-                }
-            }
-
-            /* Online softmax: new running max per row (over the quad), rescale, exponentiate. */
-            float mx0 = m0, mx1 = m1;
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-            }
-            quad_max(mx0, mx1);
-            /* A row with every logit so far masked would have mx = -inf; exp2(-inf - 0) = 0 keeps it NaN-free. */
-            const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
-            if (j != rank) rescale_running(o, l0, l1, m0, m1, base0, base1); /* O, l still 0 on the first tile */
-            m0 = mx0;
-            m1 = mx1;
-            exp_scores(s, base0, base1, l0, l1);
+            softmax_tile(s, o, m0, m1, l0, l1, key0, key0, vis0, vis1, quad_col, p.scale_log2, j == rank);
         }
 
         cp_async_wait_all(); /* V(j) landed for this thread ... */
@@ -483,39 +603,188 @@ __global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(A
 
     if (!warp_active) return; /* no barrier follows */
 
-    /* Normalize, stage as bf16 in this warp's own Q rows, write rows with 16-byte stores. */
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-    uint16_t *so = sQ + warp * 16 * C::LDS;
-    __syncwarp(); /* every lane of the warp is done reading its Q rows */
-#pragma unroll
-    for (int t = 0; t < C::NTO; t++) {
-        *reinterpret_cast<uint32_t *>(so + quad_row * C::LDS + t * 8 + quad_col * 2) =
-            pack_bf16(o[t][0] * inv0, o[t][1] * inv0);
-        *reinterpret_cast<uint32_t *>(so + (quad_row + 8) * C::LDS + t * 8 + quad_col * 2) =
-            pack_bf16(o[t][2] * inv1, o[t][3] * inv1);
-    }
-    __syncwarp();
+    store_rows<HD>(o, l0, l1, sQ + warp * 16 * C::LDS, warp, lane, r_begin, rows_total, G, hd, chunks, obase, p.ldo,
+                   p.vec_o != 0);
+}
 
-    /* Lane l knows the token and head of the warp's row l % 16 (one division a lane, not one a store); the stores
-     * take them by shuffle, so every lane runs every round. */
-    const int own_vr = r_begin + warp * 16 + (lane & 15), own_t = own_vr / G, own_h = own_vr - own_t * G;
-    for (int base = 0; base < 16 * chunks; base += 32) {
-        const int i = base + lane, r = min(i / chunks, 15), c = i % chunks, vr = r_begin + warp * 16 + r;
-        const int t = __shfl_sync(0xffffffffu, own_t, r), hh = __shfl_sync(0xffffffffu, own_h, r);
-        if (i >= 16 * chunks || vr >= rows_total) continue;
-        uint16_t *dst = obase + (size_t)t * p.ldo + hh * hd + c * 8;
-        const uint16_t *src = so + r * C::LDS + c * 8;
-        if (p.vec_o) {
-            *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; e++) dst[e] = src[e];
-        }
+/* head_dim 72: 4 blocks per SM (<= 128 registers); 256: 2 blocks per SM (shared memory bound); the
+ * padded 128: 2 (at 128 registers it would spill). */
+template <int HD, bool PADDED>
+__global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(AttnParams p) {
+    attention_tiles<HD, PADDED>(p);
+}
+
+/*
+ * The tiled kernel on Hopper (sm_90a; head dim 256): the same blocks, rows, masks, online softmax, split and merge,
+ * with the work per 64-key tile cut to what Hopper needs to issue (bench/NOTES.md, session 12: the mma.sync kernel
+ * issues ~2,600 instructions a tile a warp, at one warp a scheduler and ~4.5 cycles each, and that, not its loads or
+ * its math, is its time). The products are wgmma batches (hopper.cuh: 16 + 16 instructions a tile for the
+ * warpgroup, against 256 mma.sync and 144 ldmatrix a warp). K and V arrive by tensor copies (TMA) that one thread
+ * issues, 8 a tile, into a ring of kStages (K, V) tile pairs with an mbarrier each, refilled as soon as a slot is
+ * free (the copies' 32 cp.async a thread and their address math were ~400 instructions a tile). Q is copied once,
+ * by every thread, into the same 128-byte-swizzled layout the copies write. A last tile that would run past the
+ * segment's keys is moved back to end at its last key, its first keys (seen before) masked, so that no copy reads
+ * past the keys it was given (in a segment of under 64 keys the rows before it are masked, and their V zeroed).
+ * The ring takes 226 KB of shared memory: one block an SM.
+ * Where the device code is not sm_90a's (a build without it on an H100), the block runs attention_tiles instead.
+ */
+constexpr int kStages = 3;
+
+template <int HD>
+struct WgConfig { /* Q and the ring's K and V tiles (64 unpadded rows each), 1 KB of alignment slack, the barriers */
+    static constexpr size_t SMEM = (size_t)(1 + 2 * kStages) * kRows * HD * sizeof(uint16_t) + 1024 + 8 * kStages;
+    static_assert(SMEM >= AttnConfig<HD>::SMEM, "attention_tiles (the fallback) must fit as well");
+};
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_wg_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap k_map,
+                        const __grid_constant__ CUtensorMap v_map) {
+#if PI0_WGMMA
+    using C = AttnConfig<HD>;
+    static_assert(HD % 64 == 0 && C::HDP == HD, "m64n64 output blocks, no padded columns");
+    constexpr int chunks = HD / 8;
+    constexpr uint32_t kTileBytes = kRows * HD * 2;
+    const attn_segment seg = p.segments[blockIdx.z];
+    const int G = p.group, split = p.split;
+    const int rows_total = seg.num_q * G;
+    const int rank = (int)blockIdx.x % split, r_begin = (int)blockIdx.x / split * kRows;
+    if (seg.num_q <= 0 || seg.num_k <= 0 || r_begin >= rows_total) return; /* uniform per cluster */
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int kvh = blockIdx.y, num_k = seg.num_k;
+    const int state_vis = seg.state_keys > 0 ? min(seg.state_keys, num_k) : num_k;
+    const int r_last = min(r_begin + kRows, rows_total) - 1;
+    const int n_tiles = ((r_last < G ? state_vis : num_k) + kKeys - 1) / kKeys;
+    const int my_tiles = rank < n_tiles ? (n_tiles - 1 - rank) / split + 1 : 0; /* key tiles rank, rank + split, ... */
+
+    /* Shared memory: Q, then the ring's slots (K, then V), 1024-byte aligned for the swizzle; then the barriers. */
+    const uint32_t raw = smem_addr(attn_smem), q_tile = (raw + 1023) & ~1023u, ring = q_tile + kTileBytes;
+    const uint32_t bars = ring + kStages * 2 * kTileBytes;
+    uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem + (q_tile - raw));
+    if (tid == 0) {
+        for (int i = 0; i < kStages; i++) mbar_init(bars + 8 * i, 1);
+        mbar_init_fence();
     }
+    copy_q_rows<true>(sQ, kRows * 64, p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * HD, p.ldq, HD, G, r_begin,
+                      kRows, rows_total, chunks, tid, kThreads, p.vec_q != 0);
+    cp_async_commit();
+    __syncthreads(); /* the barriers are initialized before a copy signals one or a thread waits on one */
+
+    /* The first key of the block's i-th tile: tile rank + i split, or for a last tile that would run past num_k
+     * the 64 keys that end at num_k (negative rows, before the tensor, arrive as zeros; all are masked). */
+    auto tile_key0 = [&](int i) {
+        const int key0 = (rank + i * split) * kKeys;
+        return key0 + kKeys > num_k ? num_k - kKeys : key0;
+    };
+    auto load_tile = [&](int i) { /* thread 0: 2 x HD / 64 boxes of 64 keys x 64 dims, one barrier */
+        const uint32_t dk = ring + (i % kStages) * 2 * kTileBytes, bar = bars + 8 * (i % kStages);
+        const int y = seg.k_row + tile_key0(i);
+        mbar_expect_bytes(bar, 2 * kTileBytes);
+#pragma unroll
+        for (int b = 0; b < HD / 64; b++) {
+            tma_load_2d(dk + b * kBlockBytes, &k_map, kvh * HD + b * 64, y, bar);
+            tma_load_2d(dk + kTileBytes + b * kBlockBytes, &v_map, kvh * HD + b * 64, y, bar);
+        }
+    };
+    if (tid == 0)
+        for (int i = 0; i < kStages && i < my_tiles; i++) load_tile(i);
+
+    const uint64_t q_desc = wg_desc(q_tile, 16, 1024);
+    const int quad_row = lane >> 2, quad_col = lane & 3;
+    const int vr0 = r_begin + warp * 16 + quad_row, vr1 = vr0 + 8;
+    const int vis0 = vr0 < G ? state_vis : num_k, vis1 = vr1 < G ? state_vis : num_k;
+
+    float o[C::NTO][4];
+#pragma unroll
+    for (int t = 0; t < C::NTO; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int i = 0; i < my_tiles; i++) {
+        const uint32_t slot = ring + (i % kStages) * 2 * kTileBytes;
+        mbar_wait(bars + 8 * (i % kStages), (i / kStages) & 1); /* the slot's copies landed */
+        const int key0 = tile_key0(i);
+        if (key0 < 0) { /* block-uniform: a segment of under 64 keys; rows before it may hold anything, even NaN */
+            uint16_t *v_tile = reinterpret_cast<uint16_t *>(attn_smem + (slot + kTileBytes - raw));
+            for (int e = tid; e < -key0 * chunks; e += kThreads) /* their V rows weigh 0, and 0 x NaN is NaN */
+                *reinterpret_cast<uint4 *>(v_tile + tile_at<true>(e / chunks, e % chunks, kRows * 64)) = make_uint4(0, 0, 0, 0);
+        }
+        if (i == 0 || key0 < 0) {
+            cp_async_wait_all(); /* this thread's Q copies (and zeros) landed, */
+            fence_proxy_async(); /* visible to the products, */
+            __syncthreads();     /* and every thread's */
+        }
+        /* every warp runs the products (rows past the segment are zeros), so no warp-uniform skip here */
+        float s[kKeys / 8][4];
+        wg_scores<HD>(s, q_desc, wg_desc(slot, 16, 1024));
+        softmax_tile(s, o, m0, m1, l0, l1, key0, (rank + i * split) * kKeys, vis0, vis1, quad_col, p.scale_log2, i == 0);
+        wg_accumulate_pv<HD>(o, s, wg_desc(slot + kTileBytes, kBlockBytes, 1024));
+        __syncthreads(); /* every warp is done with the slot */
+        if (tid == 0 && i + kStages < my_tiles) load_tile(i + kStages);
+    }
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    uint16_t *obase = p.out + (size_t)seg.q_row * p.ldo + (size_t)kvh * G * HD;
+    if (split > 1) {
+        combine_split<HD>(o, m0, m1, l0, l1, warp, lane, rank, split, r_begin, rows_total, G, HD, obase, p.ldo,
+                          p.vec_o != 0);
+        return;
+    }
+    /* the loop ended on a block barrier: every product is done, and the staging may span other warps' Q rows */
+    store_rows<HD>(o, l0, l1, sQ + warp * 16 * C::LDS, warp, lane, r_begin, rows_total, G, HD, chunks, obase, p.ldo,
+                   p.vec_o != 0);
+#else
+    (void)k_map, (void)v_map;
+    attention_tiles<HD, false>(p);
+#endif
+}
+
+/* The kernel that runs a launch<HD, PADDED, WG>, and its shared memory. */
+template <int HD, bool PADDED, bool WG>
+const void *tiled_kernel() {
+    if constexpr (WG) return reinterpret_cast<const void *>(attention_wg_kernel<HD>);
+    else return reinterpret_cast<const void *>(attention_kernel<HD, PADDED>);
+}
+
+template <int HD, bool WG>
+constexpr size_t tiled_smem() {
+    if constexpr (WG) return WgConfig<HD>::SMEM;
+    else return AttnConfig<HD>::SMEM;
+}
+
+/*
+ * A tensor map of K or V for the wgmma kernel's copies: rows of ldkv bf16 (row = key), boxes of 64 keys x 64 columns
+ * in the 128-byte swizzle. The number of rows is not known here (the segments live in device memory); the kernel never
+ * asks for a row past a segment's last key, so the map's extent is only a bound. False where the driver has no tensor
+ * maps (the caller then takes the mma.sync kernel).
+ */
+bool kv_tensor_map(CUtensorMap *map, const void *base, int ldkv) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode;
+    static int looked_up;
+    if (!__atomic_load_n(&looked_up, __ATOMIC_ACQUIRE)) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+                cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+        else
+            (void)cudaGetLastError();
+        __atomic_store_n(&looked_up, 1, __ATOMIC_RELEASE);
+    }
+    if (!encode) return false;
+    const cuuint64_t dims[2] = {(cuuint64_t)ldkv, (cuuint64_t)1 << 24}, strides[1] = {(cuuint64_t)ldkv * 2};
+    const cuuint32_t box[2] = {64, kKeys}, elem_strides[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dims, strides, box, elem_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 /* A launch of `grid` as clusters of `split` blocks along x (the key split); `attr` must outlive the config. */
-template <int HD>
+template <int HD, bool WG>
 cudaLaunchConfig_t cluster_config(dim3 grid, int split, cudaStream_t stream, cudaLaunchAttribute *attr) {
     attr->id = cudaLaunchAttributeClusterDimension;
     attr->val.clusterDim.x = (unsigned)split;
@@ -524,7 +793,7 @@ cudaLaunchConfig_t cluster_config(dim3 grid, int split, cudaStream_t stream, cud
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = AttnConfig<HD>::SMEM;
+    cfg.dynamicSmemBytes = tiled_smem<HD, WG>();
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
@@ -541,7 +810,7 @@ struct DeviceInfo {
 
 int g_split_override; /* pi0_cuda_attention_set_split */
 
-template <int HD, bool PADDED>
+template <int HD, bool PADDED, bool WG>
 cudaError_t configure(DeviceInfo *out) {
     static DeviceInfo info[kMaxDevices];
     int dev = 0;
@@ -554,26 +823,26 @@ cudaError_t configure(DeviceInfo *out) {
     }
     DeviceInfo d = {1, 1, 1, 1};
     int major = 0;
-    if ((e = cudaFuncSetAttribute(attention_kernel<HD, PADDED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)AttnConfig<HD>::SMEM)) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(attention_kernel<HD, PADDED>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    if ((e = cudaFuncSetAttribute(tiled_kernel<HD, PADDED, WG>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)tiled_smem<HD, WG>())) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(tiled_kernel<HD, PADDED, WG>(), cudaFuncAttributePreferredSharedMemoryCarveout,
                                   (int)cudaSharedmemCarveoutMaxShared)) != cudaSuccess ||
         (e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess ||
         (e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.blocks_per_sm, attention_kernel<HD, PADDED>, kThreads,
-                                                           AttnConfig<HD>::SMEM)) != cudaSuccess)
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.blocks_per_sm, tiled_kernel<HD, PADDED, WG>(), kThreads,
+                                                           tiled_smem<HD, WG>())) != cudaSuccess)
         return e;
     if (d.blocks_per_sm < 1) d.blocks_per_sm = 1;
     if (major >= 9) {
         /* clusters of 16 are "non-portable": allowed on H100/H200 once asked for; the occupancy query below
          * says whether the device can actually run them (else the next size down) */
-        if (cudaFuncSetAttribute(attention_kernel<HD, PADDED>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+        if (cudaFuncSetAttribute(tiled_kernel<HD, PADDED, WG>(), cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
             (void)cudaGetLastError();
         for (int split = kMaxSplit; split > 1; split /= 2) {
             cudaLaunchAttribute attr;
-            cudaLaunchConfig_t cfg = cluster_config<HD>(dim3((unsigned)split, 1, 1), split, 0, &attr);
+            cudaLaunchConfig_t cfg = cluster_config<HD, WG>(dim3((unsigned)split, 1, 1), split, 0, &attr);
             int clusters = 0;
-            e = cudaOccupancyMaxActiveClusters(&clusters, attention_kernel<HD, PADDED>, &cfg);
+            e = cudaOccupancyMaxActiveClusters(&clusters, tiled_kernel<HD, PADDED, WG>(), &cfg);
             if (e != cudaSuccess) {
                 (void)cudaGetLastError(); /* not fatal: no split */
                 continue;
@@ -620,35 +889,52 @@ int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim) {
     return split;
 }
 
-template <int HD, bool PADDED>
+template <int HD, bool PADDED, bool WG>
 cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int num_kv_heads, cudaStream_t stream) {
     DeviceInfo d;
-    cudaError_t e = configure<HD, PADDED>(&d);
+    cudaError_t e = configure<HD, PADDED, WG>(&d);
     if (e != cudaSuccess) return e;
     const int kMaxZ = 65535;
     const int split =
         choose_split(d, (long long)row_tiles * num_kv_heads * (num_segments < kMaxZ ? num_segments : kMaxZ), HD);
     if ((long long)row_tiles * split > 0x7fffffffLL) return cudaErrorInvalidValue;
+    CUtensorMap k_map, v_map; /* the wgmma kernel's tensor copies of K and V */
+    if constexpr (WG)
+        if (!kv_tensor_map(&k_map, base.k, base.ldkv) || !kv_tensor_map(&v_map, base.v, base.ldkv))
+            return cudaErrorNotSupported;
     for (int first = 0; first < num_segments; first += kMaxZ) {
         AttnParams p = base;
         p.segments = base.segments + first;
         p.split = split;
         const int n = num_segments - first < kMaxZ ? num_segments - first : kMaxZ;
         dim3 grid((unsigned)(row_tiles * split), (unsigned)num_kv_heads, (unsigned)n);
-        if (split == 1) {
-            attention_kernel<HD, PADDED><<<grid, kThreads, AttnConfig<HD>::SMEM, stream>>>(p);
-            e = cudaGetLastError();
-        } else {
-            cudaLaunchAttribute attr;
-            cudaLaunchConfig_t cfg = cluster_config<HD>(grid, split, stream, &attr);
-            e = cudaLaunchKernelEx(&cfg, attention_kernel<HD, PADDED>, p);
-        }
+        cudaLaunchAttribute attr;
+        cudaLaunchConfig_t cfg = cluster_config<HD, WG>(grid, split, stream, &attr);
+        if (split == 1) cfg.numAttrs = 0; /* a plain launch */
+        if constexpr (WG) e = cudaLaunchKernelEx(&cfg, attention_wg_kernel<HD>, p, k_map, v_map);
+        else e = cudaLaunchKernelEx(&cfg, attention_kernel<HD, PADDED>, p);
         if (e != cudaSuccess) return e;
     }
     return cudaSuccess;
 }
 
 bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
+
+/* Whether head dim 256 takes the wgmma kernel: on compute capability 9.0 (sm_90a's code), unless PI0_ATTN_WGMMA=0
+ * (A/B runs). Without sm_90a code in the build that kernel runs attention_tiles. */
+bool use_wgmma(void) {
+    static int use = -1;
+    if (use < 0) {
+        const char *env = getenv("PI0_ATTN_WGMMA");
+        int dev = 0, major = 0, minor = 0;
+        const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
+                        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
+        if (!ok) (void)cudaGetLastError();
+        use = ok && major == 9 && minor == 0 && !(env && !strcmp(env, "0"));
+    }
+    return use != 0;
+}
 
 /*
  * Few queries against many keys (a small-batch denoise step: 11 tokens x 8 heads = 88 virtual rows
@@ -726,7 +1012,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     if (!has_chunk) return;
 
     if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, kDecodeRows + 2 * kDecodeKeys, chunks, tid, kDecodeThreads);
-    copy_q_rows(sQ, C::LDS, qbase, p.ldq, hd, G, 0, row_tiles * 16, rows_total, chunks, tid, kDecodeThreads, vec_q);
+    copy_q_rows<false>(sQ, C::LDS, qbase, p.ldq, hd, G, 0, row_tiles * 16, rows_total, chunks, tid, kDecodeThreads, vec_q);
     cp_async_commit();
 
     const int lrow = lane & 7, lsel1 = (lane >> 3) & 1, lsel2 = lane >> 4;
@@ -925,11 +1211,15 @@ extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_b
         }
     }
     switch (kernel_head_dim(head_dim)) {
-    case 64: return launch<64, true>(p, num_segments, row_tiles, num_kv_heads, stream);
-    case 72: return launch<72, false>(p, num_segments, row_tiles, num_kv_heads, stream);
-    case 128: return launch<128, true>(p, num_segments, row_tiles, num_kv_heads, stream);
+    case 64: return launch<64, true, false>(p, num_segments, row_tiles, num_kv_heads, stream);
+    case 72: return launch<72, false, false>(p, num_segments, row_tiles, num_kv_heads, stream);
+    case 128: return launch<128, true, false>(p, num_segments, row_tiles, num_kv_heads, stream);
     default:
-        return head_dim == 256 ? launch<256, false>(p, num_segments, row_tiles, num_kv_heads, stream)
-                               : launch<256, true>(p, num_segments, row_tiles, num_kv_heads, stream);
+        if (head_dim != 256) return launch<256, true, false>(p, num_segments, row_tiles, num_kv_heads, stream);
+        if (use_wgmma() && p.vec_kv) { /* the tensor copies need 16-byte aligned rows */
+            const cudaError_t e = launch<256, false, true>(p, num_segments, row_tiles, num_kv_heads, stream);
+            if (e != cudaErrorNotSupported) return e; /* not supported: no tensor maps in this driver */
+        }
+        return launch<256, false, false>(p, num_segments, row_tiles, num_kv_heads, stream);
     }
 }

@@ -1,0 +1,159 @@
+/*
+ * hopper.cuh - Hopper's (sm_90a) warpgroup products and tensor copies, for the attention's tiles.
+ *
+ * wgmma: a warpgroup (4 warps, 128 threads) multiplies a 64-row A by an N-column B in one instruction,
+ * asynchronously, with B (and A, or A from registers) read from shared memory through a descriptor. The
+ * accumulator's layout per warp is mma.sync m16n8's repeated over the N / 8 column tiles (warp w holds rows
+ * 16 w .. 16 w + 15), so code written for mma.sync's C fragments reads it unchanged, and the A fragment from
+ * registers is mma.sync m16n8k16's.
+ *
+ * Shared-memory operands use the 128-byte swizzle, the layout the tensor copies (TMA) write: a tile is stored as
+ * blocks of 64 columns (128 bytes a row), rows 128 bytes apart, and 16-byte chunk c of row r sits at chunk
+ * c ^ (r % 8) of its row (the block 1024-byte aligned). A K-major operand (K contiguous: Q, K) steps along K by
+ * moving the descriptor's start 32 bytes a k16 step inside the row; its 8-row groups are SBO = 1024 bytes apart.
+ * An MN-major one (N contiguous: V, read with the transpose bit) has its 8-row K groups SBO = 1024 bytes apart and
+ * its 64-column N blocks LBO apart.
+ *
+ * PI0_WGMMA is 1 in the device pass for sm_90a and 0 everywhere else (other archs, plain sm_90, the host pass);
+ * code that uses these wrappers must be compiled out where it is 0 (the wrappers then trap).
+ */
+#ifndef PI0_CUDA_HOPPER_CUH
+#define PI0_CUDA_HOPPER_CUH
+
+#include <cuda.h> /* CUtensorMap: the type only (no driver library is linked) */
+
+#include <stdint.h>
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PI0_WGMMA 1
+#else
+#define PI0_WGMMA 0
+#endif
+
+/* A shared-memory matrix descriptor, 128-byte swizzle: start address, LBO and SBO, each in 16-byte units. */
+static __device__ __forceinline__ uint64_t wg_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+    return (uint64_t)((smem_byte_addr & 0x3ffff) >> 4) | ((uint64_t)(lbo_bytes >> 4) << 16) |
+           ((uint64_t)(sbo_bytes >> 4) << 32) | (1ull << 62);
+}
+
+/* Before a warpgroup's first product of a batch: orders the threads' earlier register writes (accumulators, A). */
+static __device__ __forceinline__ void wg_fence(void) {
+#if PI0_WGMMA
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+static __device__ __forceinline__ void wg_commit(void) {
+#if PI0_WGMMA
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+/* Waits until no committed batch of this warpgroup is in flight. */
+static __device__ __forceinline__ void wg_wait_all(void) {
+#if PI0_WGMMA
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+
+/* Shared memory written through the generic proxy (st.shared, cp.async) made visible to the products' reads. */
+static __device__ __forceinline__ void fence_proxy_async(void) {
+#if PI0_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+/* An accumulator's registers pinned after a wait: the compiler may not move their reads above it. */
+template <int N>
+static __device__ __forceinline__ void wg_pin(float (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i][0]), "+f"(r[i][1]), "+f"(r[i][2]), "+f"(r[i][3])::"memory");
+}
+
+#define PI0_WG_D32(d)                                                                                                   \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),           \
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),       \
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),       \
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),       \
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define PI0_WG_REGS32                                                                                                   \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31}"
+
+/* d (64 x 64 f32) = a b^T (+ d when accumulate): a 64 x 16 and b 64 x 16 bf16, both K-major in shared memory. */
+static __device__ __forceinline__ void wg_m64n64k16_ss(float (&d)[8][4], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+#if PI0_WGMMA
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PI0_WG_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : PI0_WG_D32(d)
+                 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+#else
+    (void)d, (void)a_desc, (void)b_desc, (void)accumulate;
+    __trap();
+#endif
+}
+
+/* d (64 x 64 f32) += a b: a 64 x 16 bf16 from registers (mma.sync's A fragment, per warp), b 16 x 64 bf16 MN-major
+ * (N contiguous) in shared memory. */
+static __device__ __forceinline__ void wg_m64n64k16_rs_tb(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc) {
+#if PI0_WGMMA
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PI0_WG_REGS32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : PI0_WG_D32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+#else
+    (void)d, (void)a, (void)b_desc;
+    __trap();
+#endif
+}
+
+#undef PI0_WG_D32
+#undef PI0_WG_REGS32
+
+/* mbarriers: a transaction count (the bytes a tensor copy will deliver) and a phase bit per use. */
+static __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
+#if PI0_WGMMA
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+/* The barriers' initialization made visible to the tensor copies (before the block barrier that publishes it). */
+static __device__ __forceinline__ void mbar_init_fence(void) {
+#if PI0_WGMMA
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, unsigned bytes) {
+#if PI0_WGMMA
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+/* Waits until the barrier's phase `parity` has completed. */
+static __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
+#if PI0_WGMMA
+    asm volatile("{\n.reg .pred done;\nwait:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait;\n}\n" ::"r"(bar), "r"(parity)
+                 : "memory");
+#endif
+}
+
+/* A 2-D box of `map` at (x, y) (x the contiguous dimension; out-of-range elements arrive as zeros) into shared memory
+ * at dst, its bytes counted on bar. */
+static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int x, int y, uint32_t bar) {
+#if PI0_WGMMA
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(bar)
+                 : "memory");
+#else
+    (void)dst, (void)map, (void)x, (void)y, (void)bar;
+    __trap();
+#endif
+}
+
+#endif
