@@ -493,6 +493,25 @@ __device__ __forceinline__ void store_rows(const float (&o)[HD / 8][4], float l0
     }
 }
 
+/* The end of a tiled block: the row sums finished over the quad, then the key split's merge (split > 1) or this warp's
+ * rows stored (store_rows, staged in `so`) when it has any. */
+template <int HD>
+__device__ __forceinline__ void finish_block(const float (&o)[HD / 8][4], float m0, float m1, float l0, float l1, int warp,
+                                             int lane, int rank, int split, int r_begin, int rows_total, int G, int hd,
+                                             int chunks, uint16_t *obase, int ldo, bool vec_o, uint16_t *so,
+                                             bool warp_active) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (split > 1) {
+        combine_split<HD>(o, m0, m1, l0, l1, warp, lane, rank, split, r_begin, rows_total, G, hd, obase, ldo, vec_o);
+        return;
+    }
+    if (!warp_active) return; /* no barrier follows */
+    store_rows<HD>(o, l0, l1, so, warp, lane, r_begin, rows_total, G, hd, chunks, obase, ldo, vec_o);
+}
+
 /* The tiled kernel's work for its block (the design note above). PADDED: the call's head dim is p.head_dim <= HD (see
  * kernel_head_dim). */
 template <int HD, bool PADDED>
@@ -588,23 +607,9 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
         }
     }
 
-    /* Finish the row sums over the quad. */
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    uint16_t *obase = p.out + (size_t)seg.q_row * p.ldo + (size_t)kvh * G * hd;
-
-    if (split > 1) {
-        combine_split<HD>(o, m0, m1, l0, l1, warp, lane, rank, split, r_begin, rows_total, G, hd, obase, p.ldo,
-                          p.vec_o != 0);
-        return;
-    }
-
-    if (!warp_active) return; /* no barrier follows */
-
-    store_rows<HD>(o, l0, l1, sQ + warp * 16 * C::LDS, warp, lane, r_begin, rows_total, G, hd, chunks, obase, p.ldo,
-                   p.vec_o != 0);
+    finish_block<HD>(o, m0, m1, l0, l1, warp, lane, rank, split, r_begin, rows_total, G, hd, chunks,
+                     p.out + (size_t)seg.q_row * p.ldo + (size_t)kvh * G * hd, p.ldo, p.vec_o != 0,
+                     sQ + warp * 16 * C::LDS, warp_active);
 }
 
 /* head_dim 72: 4 blocks per SM (<= 128 registers); 256: 2 blocks per SM (shared memory bound); the
@@ -723,19 +728,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tid == 0 && i + kStages < my_tiles) load_tile(i + kStages);
     }
 
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    uint16_t *obase = p.out + (size_t)seg.q_row * p.ldo + (size_t)kvh * G * HD;
-    if (split > 1) {
-        combine_split<HD>(o, m0, m1, l0, l1, warp, lane, rank, split, r_begin, rows_total, G, HD, obase, p.ldo,
-                          p.vec_o != 0);
-        return;
-    }
     /* the loop ended on a block barrier: every product is done, and the staging may span other warps' Q rows */
-    store_rows<HD>(o, l0, l1, sQ + warp * 16 * C::LDS, warp, lane, r_begin, rows_total, G, HD, chunks, obase, p.ldo,
-                   p.vec_o != 0);
+    finish_block<HD>(o, m0, m1, l0, l1, warp, lane, rank, split, r_begin, rows_total, G, HD, chunks,
+                     p.out + (size_t)seg.q_row * p.ldo + (size_t)kvh * G * HD, p.ldo, p.vec_o != 0,
+                     sQ + warp * 16 * C::LDS, true);
 #else
     (void)k_map, (void)v_map;
     attention_tiles<HD, false>(p);
