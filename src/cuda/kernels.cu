@@ -177,14 +177,45 @@ static __device__ __forceinline__ void rope_pair(__nv_bfloat16 *head, int i, int
     dst[i + half] = __float2bfloat16(x2 * c[i] + x1 * s[i]);
 }
 
+/* The same for pairs i..i+3 (i a multiple of 4): 8-byte loads and stores of bf16, 16-byte loads of the tables. */
+static __device__ __forceinline__ void rope_pairs4(const __nv_bfloat16 *head, int i, int half, const float *c,
+                                                   const float *s, __nv_bfloat16 *dst) {
+    const uint2 a = *reinterpret_cast<const uint2 *>(head + i), b = *reinterpret_cast<const uint2 *>(head + i + half);
+    const float4 cv = *reinterpret_cast<const float4 *>(c + i), sv = *reinterpret_cast<const float4 *>(s + i);
+    const float x1[4] = {bf16_lo(a.x), bf16_hi(a.x), bf16_lo(a.y), bf16_hi(a.y)};
+    const float x2[4] = {bf16_lo(b.x), bf16_hi(b.x), bf16_lo(b.y), bf16_hi(b.y)};
+    const float cs[4] = {cv.x, cv.y, cv.z, cv.w}, sn[4] = {sv.x, sv.y, sv.z, sv.w};
+    float y1[4], y2[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) y1[e] = x1[e] * cs[e] - x2[e] * sn[e], y2[e] = x2[e] * cs[e] + x1[e] * sn[e];
+    *reinterpret_cast<uint2 *>(dst + i) = make_uint2(pack_bf16(y1[0], y1[1]), pack_bf16(y1[2], y1[3]));
+    *reinterpret_cast<uint2 *>(dst + i + half) = make_uint2(pack_bf16(y2[0], y2[1]), pack_bf16(y2[2], y2[3]));
+}
+
+/* One block a row: RoPE on its q heads in place and on its k heads into the cache, its v copied to the cache. With
+ * `vec` (head_dim a multiple of 8, 16-byte aligned rows) a thread takes 4 pairs and V 8 values at a time: at Gemma's
+ * 256 one pass of 256 threads for q instead of four of 2-byte loads. */
 static __global__ void rope_qkv_kernel(__nv_bfloat16 *qkv, int heads, int kv_heads, int head_dim, const int *positions,
                                        const int *cache_rows, __nv_bfloat16 *cache_k, __nv_bfloat16 *cache_v,
-                                       const float *rope_cos, const float *rope_sin) {
+                                       const float *rope_cos, const float *rope_sin, int vec) {
     int half = head_dim / 2, kv_dim = kv_heads * head_dim;
     __nv_bfloat16 *row = qkv + (size_t)blockIdx.x * (heads + 2 * kv_heads) * head_dim;
     const float *c = rope_cos + (size_t)positions[blockIdx.x] * half, *s = rope_sin + (size_t)positions[blockIdx.x] * half;
     __nv_bfloat16 *k_out = cache_k + (size_t)cache_rows[blockIdx.x] * kv_dim;
     __nv_bfloat16 *v_out = cache_v + (size_t)cache_rows[blockIdx.x] * kv_dim;
+    if (vec) {
+        const int groups = half / 4; /* 4-pair groups a head */
+        __nv_bfloat16 *k = row + heads * head_dim, *v = k + kv_dim;
+        for (int t = threadIdx.x; t < heads * groups; t += blockDim.x) {
+            __nv_bfloat16 *head = row + (t / groups) * head_dim;
+            rope_pairs4(head, (t % groups) * 4, half, c, s, head);
+        }
+        for (int t = threadIdx.x; t < kv_heads * groups; t += blockDim.x)
+            rope_pairs4(k + (t / groups) * head_dim, (t % groups) * 4, half, c, s, k_out + (t / groups) * head_dim);
+        for (int t = threadIdx.x; t < kv_dim / 8; t += blockDim.x)
+            reinterpret_cast<uint4 *>(v_out)[t] = reinterpret_cast<const uint4 *>(v)[t];
+        return;
+    }
     for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
         __nv_bfloat16 *head = row + (t / half) * head_dim;
         rope_pair(head, t % half, half, c, s, head);
@@ -383,9 +414,11 @@ cudaError_t pi0_cuda_gelu_mul(pi0_bf16 *out, const pi0_bf16 *in, int rows, int m
 cudaError_t pi0_cuda_rope_qkv(pi0_bf16 *qkv, int rows, int heads, int kv_heads, int head_dim, const int *positions,
                               const int *cache_rows, pi0_bf16 *cache_k, pi0_bf16 *cache_v, const float *rope_cos,
                               const float *rope_sin, cudaStream_t stream) {
+    const int vec = head_dim % 8 == 0 && (uintptr_t)qkv % 16 == 0 && (uintptr_t)cache_k % 16 == 0 &&
+                    (uintptr_t)cache_v % 16 == 0 && (uintptr_t)rope_cos % 16 == 0 && (uintptr_t)rope_sin % 16 == 0;
     if (rows > 0)
         rope_qkv_kernel<<<rows, 256, 0, stream>>>(as_bf16(qkv), heads, kv_heads, head_dim, positions, cache_rows,
-                                                  as_bf16(cache_k), as_bf16(cache_v), rope_cos, rope_sin);
+                                                  as_bf16(cache_k), as_bf16(cache_v), rope_cos, rope_sin, vec);
     return cudaGetLastError();
 }
 
