@@ -754,8 +754,8 @@ constexpr size_t tiled_smem() {
 /*
  * A tensor map of K or V for the wgmma kernel's copies: rows of ldkv bf16 (row = key), boxes of 64 keys x 64 columns
  * in the 128-byte swizzle. The number of rows is not known here (the segments live in device memory); the kernel never
- * asks for a row past a segment's last key, so the map's extent is only a bound. False where the driver has no tensor
- * maps (the caller then takes the mma.sync kernel).
+ * asks for a row past a segment's last key, so the map's extent is only a bound: every row a coordinate (an int) can
+ * name. False where the driver has no tensor maps or refuses this one (the caller then takes the mma.sync kernel).
  */
 bool kv_tensor_map(CUtensorMap *map, const void *base, int ldkv) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode;
@@ -772,7 +772,7 @@ bool kv_tensor_map(CUtensorMap *map, const void *base, int ldkv) {
         __atomic_store_n(&looked_up, 1, __ATOMIC_RELEASE);
     }
     if (!encode) return false;
-    const cuuint64_t dims[2] = {(cuuint64_t)ldkv, (cuuint64_t)1 << 24}, strides[1] = {(cuuint64_t)ldkv * 2};
+    const cuuint64_t dims[2] = {(cuuint64_t)ldkv, (cuuint64_t)INT32_MAX}, strides[1] = {(cuuint64_t)ldkv * 2};
     const cuuint32_t box[2] = {64, kKeys}, elem_strides[2] = {1, 1};
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dims, strides, box, elem_strides,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
