@@ -279,6 +279,16 @@ __device__ __forceinline__ void compute_scores(float (&s)[KEYS / 8][4], uint32_t
     }
 }
 
+/* The A fragment of P V for keys [16 kc, 16 kc + 16): the S accumulators' C tiles 2 kc and 2 kc + 1 (an m16n8 C tile
+ * pair is an m16k16 A tile, per warp, for mma.sync and wgmma alike), rounded to bf16. */
+template <int N>
+__device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&s)[N][4], int kc) {
+    a[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
+    a[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
+    a[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+    a[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+}
+
 /*
  * O += P V over KEYS keys (a multiple of 16) for one warp's 16 rows: the C tiles (n = 2kc, 2kc+1) of
  * S = Q K^T form the A fragment of keys [16kc, 16kc+16), rounded to bf16; V comes from shared memory
@@ -290,10 +300,7 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[HD / 8][4], const float
 #pragma unroll
     for (int kc = 0; kc < KEYS / 16; kc++) {
         uint32_t a[4];
-        a[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
-        a[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
-        a[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        a[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+        p_fragment(a, s, kc);
 #pragma unroll
         for (int dp = 0; dp < C::NTO / 2; dp++) {
             uint32_t b[4];
@@ -337,12 +344,7 @@ __device__ __forceinline__ void wg_accumulate_pv(float (&o)[HD / 8][4], const fl
     static_assert(C::NTO % 8 == 0, "m64n64 output blocks");
     uint32_t a[kKeys / 16][4];
 #pragma unroll
-    for (int kc = 0; kc < kKeys / 16; kc++) {
-        a[kc][0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
-        a[kc][1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
-        a[kc][2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        a[kc][3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-    }
+    for (int kc = 0; kc < kKeys / 16; kc++) p_fragment(a[kc], s, kc);
     wg_fence();
 #pragma unroll
     for (int kc = 0; kc < kKeys / 16; kc++)
@@ -916,20 +918,27 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
 
 bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
 
-/* Whether head dim 256 takes the wgmma kernel: on compute capability 9.0 (sm_90a's code), unless PI0_ATTN_WGMMA=0
- * (A/B runs). Without sm_90a code in the build that kernel runs attention_tiles. */
+/* Whether head dim 256 takes the wgmma kernel on the current device: one of compute capability 9.0 (sm_90a's code),
+ * unless PI0_ATTN_WGMMA=0 (A/B runs). Without sm_90a code in the build that kernel runs attention_tiles. Decided per
+ * device, as configure's limits are: a process may drive GPUs of different kinds. */
 bool use_wgmma(void) {
-    static int use = -1;
-    if (use < 0) {
+    static int decided[kMaxDevices]; /* 0: not yet, 1: no, 2: yes */
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    const bool cached = dev >= 0 && dev < kMaxDevices;
+    int d = cached ? __atomic_load_n(&decided[dev], __ATOMIC_ACQUIRE) : 0;
+    if (!d) {
         const char *env = getenv("PI0_ATTN_WGMMA");
-        int dev = 0, major = 0, minor = 0;
-        const bool ok = cudaGetDevice(&dev) == cudaSuccess &&
-                        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+        const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
                         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
         if (!ok) (void)cudaGetLastError();
-        use = ok && major == 9 && minor == 0 && !(env && !strcmp(env, "0"));
+        d = ok && major == 9 && minor == 0 && !(env && !strcmp(env, "0")) ? 2 : 1;
+        if (cached) __atomic_store_n(&decided[dev], d, __ATOMIC_RELEASE);
     }
-    return use != 0;
+    return d == 2;
 }
 
 /*

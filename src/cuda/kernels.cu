@@ -203,9 +203,9 @@ static __global__ void rope_qkv_kernel(__nv_bfloat16 *qkv, int heads, int kv_hea
     const float *c = rope_cos + (size_t)positions[blockIdx.x] * half, *s = rope_sin + (size_t)positions[blockIdx.x] * half;
     __nv_bfloat16 *k_out = cache_k + (size_t)cache_rows[blockIdx.x] * kv_dim;
     __nv_bfloat16 *v_out = cache_v + (size_t)cache_rows[blockIdx.x] * kv_dim;
+    __nv_bfloat16 *k = row + heads * head_dim, *v = k + kv_dim;
     if (vec) {
         const int groups = half / 4; /* 4-pair groups a head */
-        __nv_bfloat16 *k = row + heads * head_dim, *v = k + kv_dim;
         for (int t = threadIdx.x; t < heads * groups; t += blockDim.x) {
             __nv_bfloat16 *head = row + (t / groups) * head_dim;
             rope_pairs4(head, (t % groups) * 4, half, c, s, head);
@@ -220,7 +220,6 @@ static __global__ void rope_qkv_kernel(__nv_bfloat16 *qkv, int heads, int kv_hea
         __nv_bfloat16 *head = row + (t / half) * head_dim;
         rope_pair(head, t % half, half, c, s, head);
     }
-    __nv_bfloat16 *k = row + heads * head_dim, *v = k + kv_dim;
     for (int t = threadIdx.x; t < kv_heads * half; t += blockDim.x) {
         int h = t / half;
         rope_pair(k + h * head_dim, t % half, half, c, s, k_out + h * head_dim);
