@@ -8,7 +8,9 @@
  * prefix (532 tokens, Gemma's 8 heads over 1 K/V head) and the ViT (2 images of 256 tokens, 16 heads
  * of 72), and the last rows the prefix's at each forced key split.
  *
- * Usage: build/bench/layer_lab [--rows 11] [--keys 543] [--replays 30]
+ * Usage: build/bench/layer_lab [--rows 11] [--keys 543] [--replays 30] [--sets 18] [--only 1]
+ * --sets N cycles N weight sets instead of 18 (--sets 1: every op's weights stay in L2, the layer without its DRAM
+ * traffic); --only 1 stops after the per-op rows (no split sweeps).
  */
 #include <math.h>
 #include <stdio.h>
@@ -59,6 +61,7 @@ typedef struct {
     attn_segment *prefix_segment, *vit_segments;
     gemm_context gemm;
     cudaStream_t stream;
+    int sets; /* weight sets cycled through (--sets 1: every op's weights stay in L2) */
 } lab;
 
 static void *random_bf16(size_t n, float scale) {
@@ -177,7 +180,7 @@ static void measure(lab *L, op o, int replays, const char *label) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(L->stream, cudaStreamCaptureModeThreadLocal));
-    for (int r = 0; r < REPS; r++) enqueue(L, o, r % LAYERS);
+    for (int r = 0; r < REPS; r++) enqueue(L, o, r % L->sets);
     CK(cudaStreamEndCapture(L->stream, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     cudaEvent_t start, stop;
@@ -206,19 +209,21 @@ static void measure(lab *L, op o, int replays, const char *label) {
 }
 
 int main(int argc, char **argv) {
-    lab L = {.rows = 11, .keys = 543};
-    int replays = 30;
+    lab L = {.rows = 11, .keys = 543, .sets = LAYERS};
+    int replays = 30, only = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--rows")) L.rows = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--keys")) L.keys = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--replays")) replays = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--sets")) L.sets = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--only")) only = atoi(argv[i + 1]);
         else {
-            fprintf(stderr, "usage: layer_lab [--rows N] [--keys N] [--replays N]\n");
+            fprintf(stderr, "usage: layer_lab [--rows N] [--keys N] [--replays N] [--sets N] [--only 1]\n");
             return 2;
         }
     }
-    if (L.rows < 1 || L.rows > 64 || L.keys < L.rows || replays < 1) {
-        fprintf(stderr, "layer_lab: rows 1..64, keys >= rows, replays >= 1\n");
+    if (L.rows < 1 || L.rows > 64 || L.keys < L.rows || replays < 1 || L.sets < 1 || L.sets > LAYERS) {
+        fprintf(stderr, "layer_lab: rows 1..64, keys >= rows, replays >= 1, sets 1..%d\n", LAYERS);
         return 2;
     }
     CK(cudaStreamCreateWithFlags(&L.stream, cudaStreamNonBlocking));
@@ -272,9 +277,10 @@ int main(int argc, char **argv) {
     L.vit_segments = zeros(sizeof vit_segs);
     CK(cudaMemcpy(L.vit_segments, vit_segs, sizeof vit_segs, cudaMemcpyHostToDevice));
 
-    printf("rows %d, keys %d, %d ops per graph over %d weight sets, %d replays\n", m, L.keys, REPS, LAYERS, replays);
+    printf("rows %d, keys %d, %d ops per graph over %d weight sets, %d replays\n", m, L.keys, REPS, L.sets, replays);
     printf("%-30s %8s %8s %8s %8s\n", "op (us per op, in a graph)", "median", "p90", "min", "TB/s");
     for (op o = 0; o < NUM_OPS; o++) measure(&L, o, replays, NULL);
+    if (only) return 0;
     /* the tiled attention's fixed cost and its key split: fewer keys, each split forced (a forced split
      * also turns the few-queries kernels off) */
     const int keys[] = {64, L.keys};

@@ -105,6 +105,7 @@ struct AttnParams {
     int vec_q, vec_kv, vec_o; /* 16-byte paths allowed */
     int split;        /* blocks (one thread-block cluster, sm_90+) sharing the keys of one row tile */
     int head_dim;     /* the call's; a padded instantiation (PADDED) runs any multiple of 8 up to its HD */
+    int decode_tiles; /* the few-queries partials: 16-row tiles a block (its row group) */
 };
 
 extern __shared__ __align__(16) unsigned char attn_smem[];
@@ -945,10 +946,13 @@ bool use_wgmma(void) {
  * Few queries against many keys (a small-batch denoise step: 11 tokens x 8 heads = 88 virtual rows
  * over ~540 keys). The tiled kernel above pays for this shape with a long chain per block (a 64-key
  * tile is ~256 dependent mma.sync per warp, ~3.7 us on an H100) and a cluster merge (~5 us). Here
- * the keys are spread thin instead: kDecodeBlocks blocks per (kv head, segment), block b taking the
- * 32-key chunks b, b + kDecodeBlocks, ...; each of its 8 warps holds one 16-row tile of all the
- * segment's virtual rows (up to kDecodeRows), so a chunk of K and V is loaded once for every row and
- * a warp's chain per chunk is a quarter of a tile's. Each block writes its unnormalized partial
+ * the keys are spread thin instead: kDecodeBlocks blocks per (kv head, segment, row group), block b taking
+ * the 32-key chunks b, b + kDecodeBlocks, ...; each of its warps holds one 16-row tile of its group's
+ * virtual rows (a segment has up to kDecodeRows), so a chunk of K and V is loaded once for the group's rows
+ * and a warp's chain per chunk is a quarter of a tile's. Row groups (launch_decode) split a small batch's rows
+ * over more blocks: each block then copies less of Q and stores fewer partial rows, the two largest transfers
+ * of a block (at 11 tokens: Q 45 KB and partials 90 KB a block for one group, against 32 KB of K and V; an
+ * SM takes in ~60 GB/s, bench/NOTES.md session 13). Each block writes its unnormalized partial
  * (O, max, sum) per row to a float32 workspace; a second kernel merges the partials of a row in block
  * order (deterministic) and writes bf16. Numerics are the tiled kernel's (log2-domain softmax, P
  * rounded to bf16 for P V).
@@ -986,6 +990,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     const int G = p.group, rows_total = seg.num_q * G, num_k = seg.num_k;
     const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys;
     const int kvh = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    /* block (b, group): key chunks b, b + kDecodeBlocks, ... for the group's row tiles (decode_tiles of them) */
+    const int b = (int)blockIdx.x % kDecodeBlocks, group = (int)blockIdx.x / kDecodeBlocks;
     const int state_vis = seg.state_keys > 0 ? min(seg.state_keys, num_k) : num_k;
     uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem);
     uint16_t *sK = sQ + kDecodeRows * C::LDS;
@@ -994,7 +1000,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     const uint16_t *kbase = p.k + (size_t)seg.k_row * p.ldkv + (size_t)kvh * hd;
     const uint16_t *vbase = p.v + (size_t)seg.k_row * p.ldkv + (size_t)kvh * hd;
     const bool vec_q = p.vec_q != 0, vec_kv = p.vec_kv != 0;
-    const int row_tiles = (rows_total + 15) / 16;
+    const int tile0 = group * p.decode_tiles, row_tiles = min((rows_total + 15) / 16 - tile0, p.decode_tiles);
+    const int r_begin = tile0 * 16; /* the group's first virtual row */
 
     auto load_kv = [&](int key0) {
         for (int i = tid; i < 2 * kDecodeKeys * chunks; i += kDecodeThreads) {
@@ -1010,14 +1017,14 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
      * the kernels this one depends on, so the block's first chunk of them streams in from DRAM while the
      * previous kernel (the QKV that writes the rest) finishes: one round trip off the step's chain. */
     const int early_keys = num_k - seg.num_q;
-    const bool has_chunk = seg.num_q > 0 && num_k > 0 && (int)blockIdx.x < n_chunks; /* block-uniform */
-    const bool preloaded = has_chunk && ((int)blockIdx.x + 1) * kDecodeKeys <= early_keys;
-    if (preloaded) load_kv((int)blockIdx.x * kDecodeKeys);
+    const bool has_chunk = seg.num_q > 0 && num_k > 0 && b < n_chunks && row_tiles > 0; /* block-uniform */
+    const bool preloaded = has_chunk && (b + 1) * kDecodeKeys <= early_keys;
+    if (preloaded) load_kv(b * kDecodeKeys);
     pdl_wait(); /* Q and the segment's last num_q keys are the previous kernel's output */
     if (!has_chunk) return;
 
     if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, kDecodeRows + 2 * kDecodeKeys, chunks, tid, kDecodeThreads);
-    copy_q_rows<false>(sQ, C::LDS, qbase, p.ldq, hd, G, 0, row_tiles * 16, rows_total, chunks, tid, kDecodeThreads, vec_q);
+    copy_q_rows<false>(sQ, C::LDS, qbase, p.ldq, hd, G, r_begin, row_tiles * 16, rows_total, chunks, tid, kDecodeThreads, vec_q);
     cp_async_commit();
 
     const int lrow = lane & 7, lsel1 = (lane >> 3) & 1, lsel2 = lane >> 4;
@@ -1025,7 +1032,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     const uint32_t k_addr = smem_addr(sK + (lrow + lsel2 * 8) * C::LDS + lsel1 * 8);
     const uint32_t v_addr = smem_addr(sV + (lrow + lsel1 * 8) * C::LDS + lsel2 * 8);
     const int quad_row = lane >> 2, quad_col = lane & 3;
-    const int vr0 = warp * 16 + quad_row, vr1 = vr0 + 8;
+    const int vr0 = r_begin + warp * 16 + quad_row, vr1 = vr0 + 8;
     const int vis0 = vr0 < G ? state_vis : num_k, vis1 = vr1 < G ? state_vis : num_k;
     const bool warp_active = warp < row_tiles; /* warp-uniform */
 
@@ -1034,9 +1041,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     for (int t = 0; t < C::NTO; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-    for (int chunk = blockIdx.x; chunk < n_chunks; chunk += gridDim.x) {
+    for (int chunk = b; chunk < n_chunks; chunk += kDecodeBlocks) {
         const int key0 = chunk * kDecodeKeys;
-        if (!(preloaded && chunk == (int)blockIdx.x)) load_kv(key0);
+        if (!(preloaded && chunk == b)) load_kv(key0);
         cp_async_wait_all(); /* K, V (and Q, first time) landed for this thread ... */
         __syncthreads();     /* ... and for every thread */
         if (warp_active) {
@@ -1047,7 +1054,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
             /* rows with every key so far masked keep mx = -inf: exp2(-inf - 0) = 0, no NaN */
             const float base0 = mx0 == -INFINITY ? 0.f : mx0, base1 = mx1 == -INFINITY ? 0.f : mx1;
             /* O and l are still 0 on the block's first chunk (the only one at ~540 keys) */
-            if (chunk != (int)blockIdx.x) rescale_running(o, l0, l1, m0, m1, base0, base1);
+            if (chunk != b) rescale_running(o, l0, l1, m0, m1, base0, base1);
             m0 = mx0, m1 = mx1;
             exp_scores(s, base0, base1, l0, l1);
             accumulate_pv<HD, kDecodeKeys>(o, s, v_addr);
@@ -1060,7 +1067,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     const size_t problem = (size_t)blockIdx.z * gridDim.y + kvh;
-    const size_t part = (problem * kDecodeBlocks + blockIdx.x) * kDecodeRows;
+    const size_t part = (problem * kDecodeBlocks + b) * kDecodeRows;
     float *wo = ws + part * HD;
     float2 *wml = reinterpret_cast<float2 *>(ws + (size_t)gridDim.z * gridDim.y * DecodeConfig<HD>::PART_ROWS * HD) + part;
 #pragma unroll
@@ -1117,20 +1124,32 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnPara
 template <int HD, bool PADDED>
 cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_heads, int max_rows, float *ws,
                           cudaStream_t stream) {
-    static int configured[kMaxDevices];
-    int dev = 0;
+    static int multiprocessors[kMaxDevices]; /* per device, once configured (0: not yet) */
+    int dev = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
-    if (dev < 0 || dev >= kMaxDevices || !__atomic_load_n(&configured[dev], __ATOMIC_ACQUIRE)) {
+    const bool cached = dev >= 0 && dev < kMaxDevices;
+    if (cached) sms = __atomic_load_n(&multiprocessors[dev], __ATOMIC_ACQUIRE);
+    if (!sms) {
         e = cudaFuncSetAttribute(decode_partial_kernel<HD, PADDED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)DecodeConfig<HD>::SMEM);
+        if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         if (e != cudaSuccess) return e;
-        if (dev >= 0 && dev < kMaxDevices) __atomic_store_n(&configured[dev], 1, __ATOMIC_RELEASE);
+        if (cached) __atomic_store_n(&multiprocessors[dev], sms, __ATOMIC_RELEASE);
     }
+    /* Row groups: as many as keep every partial block (kDecodeBlocks per problem and group, counting all as holding
+     * keys) in one wave at one block a multiprocessor (at head dim 256 a block takes the register file), so that a
+     * small batch's blocks each copy a share of Q and store a share of the partials. */
+    const int problems = num_segments * num_kv_heads, row_tiles = (max_rows + 15) / 16;
+    int groups = sms / (problems * kDecodeBlocks);
+    groups = groups < 1 ? 1 : groups > row_tiles ? row_tiles : groups;
+    AttnParams q = p;
+    q.decode_tiles = (row_tiles + groups - 1) / groups;
+    groups = (row_tiles + q.decode_tiles - 1) / q.decode_tiles; /* none empty */
     cudaLaunchAttribute attr;
-    const dim3 partial_grid(kDecodeBlocks, (unsigned)num_kv_heads, (unsigned)num_segments);
+    const dim3 partial_grid((unsigned)(kDecodeBlocks * groups), (unsigned)num_kv_heads, (unsigned)num_segments);
     cudaLaunchConfig_t cfg = dependent_launch(partial_grid, dim3(kDecodeThreads), DecodeConfig<HD>::SMEM, stream, &attr);
-    if ((e = cudaLaunchKernelEx(&cfg, decode_partial_kernel<HD, PADDED>, p, ws)) != cudaSuccess) return e;
+    if ((e = cudaLaunchKernelEx(&cfg, decode_partial_kernel<HD, PADDED>, q, ws)) != cudaSuccess) return e;
     const dim3 combine_grid((unsigned)max_rows, (unsigned)num_kv_heads, (unsigned)num_segments);
     cfg = dependent_launch(combine_grid, dim3(kDecodeThreads), 0, stream, &attr);
     return cudaLaunchKernelEx(&cfg, decode_combine_kernel<HD, PADDED>, p, (const float *)ws);
@@ -1203,6 +1222,7 @@ extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_b
     p.vec_o = aligned16(out, ldo);
     p.split = 1;
     p.head_dim = head_dim;
+    p.decode_tiles = kDecodeRows / 16; /* launch_decode sets the row groups */
     /* kernel_head_dim: 72 and 256 exact, the rest padded */
     if (workspace && use_decode(num_segments, num_kv_heads, rows, head_dim, workspace_bytes)) {
         const int r = (int)rows;

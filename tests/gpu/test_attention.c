@@ -498,6 +498,22 @@ TEST(test_denoise_like) {
         c.nseg = 2;
         run_case(&c);
     }
+    /* one sample (the seed workload's batch), where the few-queries partials split the rows into groups of 16-row
+     * tiles, the last group partly past the rows: 88 virtual rows (3 groups of 2 tiles), 56, 33 (3 groups of one
+     * tile, the last holding 1 row), and 2 kv heads (2 groups each) */
+    static const int one[][4] = {{8, 1, 256, 11}, {8, 1, 256, 7}, {3, 1, 64, 11}, {8, 2, 256, 16}};
+    for (int oc = 0; oc < 4; oc++) {
+        attn_segment seg = {0, one[oc][3], 3, 532 + one[oc][3], 533};
+        char name[64];
+        snprintf(name, sizeof name, "denoise, one sample, %d/%d x %d, %d tokens", one[oc][0], one[oc][1], one[oc][2],
+                 one[oc][3]);
+        attn_case c = base_case(name, one[oc][0], one[oc][1], one[oc][2]);
+        c.q_amp = 2.0f;
+        c.v_shift = 10.0f;
+        c.segs = &seg;
+        c.nseg = 1;
+        run_case(&c);
+    }
 }
 
 /* GQA and other head groupings, with and without a state mask, in Pi0's head dims and the fixtures' (16, 32). */
