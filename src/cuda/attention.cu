@@ -951,8 +951,8 @@ bool use_wgmma(void) {
  * virtual rows (a segment has up to kDecodeRows), so a chunk of K and V is loaded once for the group's rows
  * and a warp's chain per chunk is a quarter of a tile's. Row groups (launch_decode) split a small batch's rows
  * over more blocks: each block then copies less of Q and stores fewer partial rows, the two largest transfers
- * of a block (at 11 tokens: Q 45 KB and partials 90 KB a block for one group, against 32 KB of K and V; an
- * SM takes in ~60 GB/s, bench/NOTES.md session 13). Each block writes its unnormalized partial
+ * of a block (at 11 tokens: Q 45 KB and partials 90 KB a block for one group, against 32 KB of K and V; a block
+ * of 256 threads moves ~40-60 GB/s to or from L2, bench/NOTES.md session 13). Each block writes its unnormalized partial
  * (O, max, sum) per row to a float32 workspace; a second kernel merges the partials of a row in block
  * order (deterministic) and writes bf16. Numerics are the tiled kernel's (log2-domain softmax, P
  * rounded to bf16 for P V).
