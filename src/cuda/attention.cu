@@ -952,9 +952,9 @@ bool use_wgmma(void) {
  * and a warp's chain per chunk is a quarter of a tile's. Row groups (launch_decode) split a small batch's rows
  * over more blocks: each block then copies less of Q and stores fewer partial rows, the two largest transfers
  * of a block (at 11 tokens: Q 45 KB and partials 90 KB a block for one group, against 32 KB of K and V; a block
- * of 256 threads moves ~40-60 GB/s to or from L2, bench/NOTES.md session 13). Each block writes its unnormalized partial
- * (O, max, sum) per row to a float32 workspace; a second kernel merges the partials of a row in block
- * order (deterministic) and writes bf16. Numerics are the tiled kernel's (log2-domain softmax, P
+ * of 256 threads moves ~40-60 GB/s to or from L2, bench/NOTES.md session 13). Each block writes its
+ * unnormalized partial (O, max, sum) per row to a float32 workspace; a second kernel merges the partials of a
+ * row in block order (deterministic) and writes bf16. Numerics are the tiled kernel's (log2-domain softmax, P
  * rounded to bf16 for P V).
  */
 constexpr int kDecodeKeys = 32;     /* keys per chunk */
@@ -1024,7 +1024,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     if (!has_chunk) return;
 
     if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, kDecodeRows + 2 * kDecodeKeys, chunks, tid, kDecodeThreads);
-    copy_q_rows<false>(sQ, C::LDS, qbase, p.ldq, hd, G, r_begin, row_tiles * 16, rows_total, chunks, tid, kDecodeThreads, vec_q);
+    copy_q_rows<false>(sQ, C::LDS, qbase, p.ldq, hd, G, r_begin, row_tiles * 16, rows_total, chunks, tid, kDecodeThreads,
+                       vec_q);
     cp_async_commit();
 
     const int lrow = lane & 7, lsel1 = (lane >> 3) & 1, lsel2 = lane >> 4;

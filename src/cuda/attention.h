@@ -56,8 +56,8 @@ cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ld
  * pi0_cuda_attention_workspace(num_segments, num_kv_heads, head_dim) bytes, no split is forced, and
  * the call is small (num_heads / num_kv_heads * max_num_q <= 128 virtual rows, num_segments *
  * num_kv_heads <= 16: a small-batch denoise step), the keys are spread over 32 blocks per problem
- * and the partial results merged by a second kernel (attention.cu, "few queries"); else it is
- * pi0_cuda_attention. The workspace must not be used by anything else while the call runs.
+ * (and group of query rows) and the partial results merged by a second kernel (attention.cu, "few
+ * queries"); else it is pi0_cuda_attention. The workspace must not be used by anything else while the call runs.
  * Those kernels launch as programmatic dependents (sm_90+) and read a segment's keys before its last
  * num_q ones while the kernel before them may still run: that kernel (and those it depends on) must not
  * write them. A denoise step meets this: the prefix's keys were written before the step, the kernel

@@ -499,8 +499,8 @@ TEST(test_denoise_like) {
         run_case(&c);
     }
     /* one sample (the seed workload's batch), where the few-queries partials split the rows into groups of 16-row
-     * tiles, the last group partly past the rows: 88 virtual rows (3 groups of 2 tiles), 56, 33 (3 groups of one
-     * tile, the last holding 1 row), and 2 kv heads (2 groups each) */
+     * tiles, the last group partly past the rows. On a 132-SM GPU: 88 virtual rows (3 groups of 2 tiles), 56 (4 of
+     * one tile), 33 (3 of one tile, the last holding 1 row), and 2 kv heads of 64 rows (2 groups of 2 tiles each) */
     static const int one[][4] = {{8, 1, 256, 11}, {8, 1, 256, 7}, {3, 1, 64, 11}, {8, 2, 256, 16}};
     for (int oc = 0; oc < 4; oc++) {
         attn_segment seg = {0, one[oc][3], 3, 532 + one[oc][3], 533};
