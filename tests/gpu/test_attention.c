@@ -203,6 +203,8 @@ static int fixture_init(fixture *f, const attn_case *c) {
     if (!CUDA_OK(cudaMalloc((void **)&f->d_segs, (c->nseg > 0 ? c->nseg : 1) * sizeof(attn_segment)))) return 0;
     f->ws_bytes = pi0_cuda_attention_workspace(c->nseg, c->nkv, c->hd);
     if (f->ws_bytes && !CUDA_OK(cudaMalloc((void **)&f->d_ws, f->ws_bytes))) return 0;
+    /* poisoned (NaN): a partial the merge reads but no block wrote shows in the output */
+    if (f->ws_bytes && !CUDA_OK(cudaMemset(f->d_ws, 0xff, f->ws_bytes))) return 0;
     if (!CUDA_OK(cudaMemcpy(f->d_in, f->in_bf, f->in_total * sizeof(pi0_bf16), cudaMemcpyHostToDevice))) return 0;
     if (c->nseg > 0 &&
         !CUDA_OK(cudaMemcpy(f->d_segs, c->segs, c->nseg * sizeof(attn_segment), cudaMemcpyHostToDevice)))
