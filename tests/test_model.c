@@ -15,6 +15,7 @@
 #include "model/image.h"
 #include "model/model.h"
 #include "pi0.h"
+#include "util/finite.h"
 
 #define TOL_F32 1e-4
 
@@ -670,6 +671,34 @@ TEST(bad_batches_are_rejected) {
     fixture_close(&f);
 }
 
+/* The scan behind the refusal: NaN (either sign, any payload) and both infinities are found at any index, first
+ * one first, in full blocks, in the last partial block and in arrays shorter than a block; the largest finite
+ * values, subnormals and zeros are not. */
+TEST(first_nonfinite_finds_every_kind) {
+    enum { N = 3 * 4096 + 1000 };
+    static float x[N];
+    uint32_t rng = 7;
+    for (int i = 0; i < N; i++) x[i] = ((rng = rng * 1664525u + 1013904223u) >> 8) * (1.0f / 8388608.0f) - 1.0f;
+    const float finite[] = {3.4028235e38f, -3.4028235e38f, 1e-45f, -1e-45f, 1.1754942e-38f, 0.0f, -0.0f};
+    for (int i = 0; i < (int)(sizeof finite / sizeof finite[0]); i++) x[4095 + i] = finite[i];
+    CHECK(first_nonfinite(x, N) == N, "a finite array gave %zu", first_nonfinite(x, N));
+    uint32_t patterns[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xffffffffu};
+    const size_t at[] = {0, 1, 4095, 4096, 8191, 3 * 4096, N - 1};
+    for (int p = 0; p < 6; p++)
+        for (int a = 0; a < 7; a++) {
+            float keep = x[at[a]], bad;
+            memcpy(&bad, &patterns[p], sizeof bad);
+            x[at[a]] = bad;
+            CHECK(first_nonfinite(x, N) == at[a], "0x%08x at %zu: found at %zu", patterns[p], at[a], first_nonfinite(x, N));
+            CHECK(at[a] + 1 >= N || first_nonfinite(x + at[a] + 1, N - at[a] - 1) == N - at[a] - 1, "past it");
+            if (at[a] < 100) CHECK(first_nonfinite(x, 100) == at[a], "in a short array");
+            x[at[a]] = keep;
+        }
+    x[5000] = NAN, x[9000] = INFINITY;
+    CHECK(first_nonfinite(x, N) == 5000, "the first of two: %zu", first_nonfinite(x, N));
+    CHECK(first_nonfinite(x, 0) == 0, "an empty array");
+}
+
 /* NaN or infinity in what the model reads is refused, naming the input and where it is; what it does not read (a
  * masked camera's image, Pi0.5's state) is not looked at. */
 TEST(nonfinite_inputs_are_refused) {
@@ -858,6 +887,7 @@ int main(int argc, char **argv) {
     RUN(uniform_shape_pi0);
     RUN(uniform_shape_pi05);
     RUN(bad_batches_are_rejected);
+    RUN(first_nonfinite_finds_every_kind);
     RUN(nonfinite_inputs_are_refused);
     RUN(frames_equal_preprocessed_images);
     RUN(random_weights_deterministic_and_saveable);
