@@ -40,8 +40,10 @@ typedef struct {
     pi0_bf16 *embed;
     gpu_gemma_layer *llm, *expert;
     pi0_bf16 *action_out_w;
+    float *action_out_b;
     /* Pi0 */
     float *expert_norm;
+    pi0_bf16 *action_out_fold_w; /* action_out_w with the final norm's (1 + w) folded in: the skinny Euler step's */
     pi0_bf16 *state_proj_w, *time_fold_w, *time_out_w;
     float *state_proj_b, *time_out_b;
     /* Pi0.5 */
@@ -72,11 +74,13 @@ typedef struct {
     int num_steps;
     char *device;          /* the block holding the tables below */
     float *out_bias;       /* (A) dt * action_out_proj.bias: the Euler step is fused into that GEMM */
+    float *out_gate;       /* (A) dt: the skinny Euler step's residual gate (x_t += dt (v + bias)) */
+    float *out_col_bias;   /* Pi0.5: (steps, A) final norm's shift . action_out_w^T + action_out_proj.bias */
     float *time_bias;      /* Pi0: (steps, We) time half of action_time_mlp_in + folded biases, per step */
     float *mods;           /* Pi0.5: (2 depth + 1 norms, 3, steps, We): each norm's scale, shift, gate per step */
     float *qkv_bias, *gate_up_bias; /* Pi0.5: (depth, steps, n): shift . w^T of the QKV and gate|up Linears */
     float *time_emb;       /* Pi0.5: (steps, We) and the time MLP's hidden layer and output, the same size */
-    pi0_bf16 *in_scale;    /* Pi0.5: (2 depth, steps, We): bf16(1 + scale) of the layers' norms, for the skinny Linears */
+    pi0_bf16 *in_scale;    /* Pi0.5: (2 depth + 1, steps, We): bf16(1 + scale) of the norms, for the skinny Linears */
     pi0_denoise_layer *denoise_layers; /* (steps, depth): the persistent denoise kernel's layer table */
 } step_tables;
 

@@ -216,24 +216,66 @@ static block_mods layer_mods(const pi0_model *m, const cuda_graph *g, int layer,
                                   g->tables->gate_up_bias + ((size_t)layer * steps + step) * 2 * d->mlp_dim)};
 }
 
+/* Whether a denoise step's rows take the skinny path: a batch of one whose suffix gemma_block runs through the
+ * skinny Linears. Then the action rows come from one too, and so does the Euler step. */
+static int suffix_is_skinny(const cuda_state *s, const pi0_model *m, const cuda_graph *g) {
+    const pi0_stack_dims *d = &m->dims.expert;
+    return s->use_skinny && g->shape.batch == 1 && g->suffix_len <= SKINNY_MAX_ROWS &&
+           pi0_cuda_skinny_block_supported(d->width, d->mlp_dim, d->head_dim);
+}
+
 /* The suffix rows of this step: Pi0's [state token, action_time_mlp(action_in_proj(x), time)] with
  * action_in_proj folded into the MLP's first layer (weights.c) and its time half precomputed
- * (step_constants); Pi0.5's action_in_proj(x). */
-static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, pi0_error *err) {
+ * (step_constants); Pi0.5's action_in_proj(x), whose rows b H + i are the suffix's own. */
+static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, int skinny_rows,
+                                pi0_error *err) {
     const gpu_weights *w = &s->w;
     int B = g->shape.batch, H = g->shape.horizon, BH = B * H, We = m->dims.expert.width, A = m->dims.action_dim;
+    const float *time_bias = g->tables->time_bias + (size_t)step * We;
     if (m->dims.kind == PI0_MODEL_PI05) {
-        CUDA_TRY(pi0_cuda_linear_small_k(g->action_tokens, 0, g->in.x_t, w->action_in_w, w->action_in_b, BH, A, We, 0,
+        CUDA_TRY(pi0_cuda_linear_small_k(g->suffix, g->suffix_bf16, g->in.x_t, w->action_in_w, w->action_in_b, BH, A, We, 0,
                                          s->stream));
-        CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->suffix_bf16, NULL, g->action_tokens, B, H, We, s->stream));
         return PI0_OK;
     }
-    CUDA_TRY(pi0_cuda_linear_small_k(g->time_hidden, 1, g->in.x_t, w->time_fold_w, g->tables->time_bias + (size_t)step * We, BH,
-                                     A, We, 1, s->stream));
+    if (skinny_rows) { /* one sample: the state row with the hidden rows, the action rows straight into the suffix */
+        CUDA_TRY(pi0_cuda_action_time_in(g->time_hidden, g->suffix, g->suffix_bf16, g->state_token, g->in.x_t,
+                                         w->time_fold_w, time_bias, H, A, We, s->stream));
+        return skinny(&(skinny_args){.m = H, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w,
+                                     .col_bias = w->time_out_b, .epilogue = SKINNY_STORE, .out = g->suffix_bf16 + We,
+                                     .out_f32 = g->suffix + We}, s->stream, err);
+    }
+    CUDA_TRY(pi0_cuda_linear_small_k(NULL, g->time_hidden, g->in.x_t, w->time_fold_w, time_bias, BH, A, We, 1, s->stream));
     TRY(gemm(s, (gemm_args){.m = BH, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w, .bias = w->time_out_b,
                             .out = g->action_tokens, .out_f32 = 1, .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->suffix_bf16, g->state_token, g->action_tokens, B, H, We, s->stream));
     return PI0_OK;
+}
+
+/* x_t += dt * action_out_proj(final_norm(suffix)[action rows]): the update fused into action_out_proj's GEMM
+ * (alpha dt, beta 1), or for one sample into a skinny Linear whose row factor is the norm (Pi0's 1 + w folded
+ * into its weights, Pi0.5's scale and shift applied as in its layers) and whose residual add, gated by dt, is the
+ * update. */
+static pi0_status euler_update(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, int skinny_rows,
+                               pi0_error *err) {
+    const pi0_stack_dims *d = &m->dims.expert;
+    const gpu_weights *w = &s->w;
+    int BH = g->shape.batch * g->shape.horizon, We = d->width, A = m->dims.action_dim;
+    int pi05 = m->dims.kind == PI0_MODEL_PI05;
+    if (skinny_rows) { /* the action rows are the suffix's last H */
+        norm_mod mod = pi05 ? step_norm(g, We, 2 * d->depth, step, g->tables->out_col_bias + (size_t)step * A) : (norm_mod){0};
+        return skinny(&(skinny_args){.m = BH, .n = A, .k = We, .x = g->suffix_bf16 + (size_t)(g->suffix_len - BH) * We,
+                                     .w = pi05 ? w->action_out_w : w->action_out_fold_w, .rms_norm = 1, .eps = NORM_EPS,
+                                     .in_scale = mod.linear_scale, .col_bias = pi05 ? mod.linear_bias : w->action_out_b,
+                                     .epilogue = SKINNY_RESIDUAL, .residual = g->in.x_t, .residual_bf16 = g->final_h,
+                                     .gate = g->tables->out_gate}, s->stream, err);
+    }
+    if (pi05)
+        CUDA_TRY(pi0_cuda_rmsnorm_mod(g->final_h, g->suffix, g->in.action_rows, BH, We, mod_part(g, We, 2 * d->depth, 0, step),
+                                      mod_part(g, We, 2 * d->depth, 1, step), NORM_EPS, s->stream));
+    else CUDA_TRY(pi0_cuda_rmsnorm(g->final_h, g->suffix, g->in.action_rows, BH, We, w->expert_norm, NORM_EPS, s->stream));
+    return gemm(s, (gemm_args){.m = BH, .n = A, .k = We, .x = g->final_h, .w = w->action_out_w, .bias = g->tables->out_bias,
+                               .out = g->in.x_t, .out_f32 = 1, .alpha = -1.0f / (float)g->shape.num_steps, .beta = 1},
+                err);
 }
 
 /* Every expert layer of one step in one persistent kernel (denoise.h): what the loop over gemma_block does
@@ -257,10 +299,10 @@ static pi0_status expert_persistent(cuda_state *s, const pi0_model *m, cuda_grap
 static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.expert;
     const gpu_weights *w = &s->w;
-    int B = g->shape.batch, BH = B * g->shape.horizon, S = g->suffix_len, We = d->width, A = m->dims.action_dim;
-    int pi05 = m->dims.kind == PI0_MODEL_PI05;
+    int B = g->shape.batch, S = g->suffix_len, pi05 = m->dims.kind == PI0_MODEL_PI05;
+    int skinny_rows = suffix_is_skinny(s, m, g);
     size_t cache_layer = cache_layer_elems(m, g);
-    TRY(suffix_tokens(s, m, g, step, err));
+    TRY(suffix_tokens(s, m, g, step, skinny_rows, err));
     if (g->persistent) {
         TRY(expert_persistent(s, m, g, step, err));
     } else {
@@ -272,14 +314,7 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
                             g->cache_v + layer * cache_layer, 0, pi05 ? &mods : NULL, err));
         }
     }
-    if (pi05)
-        CUDA_TRY(pi0_cuda_rmsnorm_mod(g->final_h, g->suffix, g->in.action_rows, BH, We, mod_part(g, We, 2 * d->depth, 0, step),
-                                      mod_part(g, We, 2 * d->depth, 1, step), NORM_EPS, s->stream));
-    else CUDA_TRY(pi0_cuda_rmsnorm(g->final_h, g->suffix, g->in.action_rows, BH, We, w->expert_norm, NORM_EPS, s->stream));
-    float dt = -1.0f / (float)g->shape.num_steps;
-    TRY(gemm(s, (gemm_args){.m = BH, .n = A, .k = We, .x = g->final_h, .w = w->action_out_w, .bias = g->tables->out_bias,
-                            .out = g->in.x_t, .out_f32 = 1, .alpha = dt, .beta = 1}, err));
-    return PI0_OK;
+    return euler_update(s, m, g, step, skinny_rows, err);
 }
 
 /* ---- per-step-count constants ------------------------------------------------------------------------- */
@@ -319,25 +354,27 @@ static pi0_status pi05_step_constants(cuda_state *s, const pi0_model *m, step_ta
     int qkv_dim = (d->num_heads + 2 * d->num_kv_heads) * d->head_dim, gate_up = 2 * d->mlp_dim;
     float *emb = t->time_emb, *hidden = emb + (size_t)steps * We, *cond = hidden + (size_t)steps * We;
     CUDA_TRY(cudaMemcpyAsync(emb, time_emb_host, (size_t)steps * We * sizeof(float), cudaMemcpyHostToDevice, s->stream));
-    CUDA_TRY(pi0_cuda_linear_small_k(hidden, 0, emb, w->time_mlp_in_w, w->time_mlp_in_b, steps, We, We, 1, s->stream));
-    CUDA_TRY(pi0_cuda_linear_small_k(cond, 0, hidden, w->time_mlp_out_w, w->time_mlp_out_b, steps, We, We, 1, s->stream));
+    CUDA_TRY(pi0_cuda_linear_small_k(hidden, NULL, emb, w->time_mlp_in_w, w->time_mlp_in_b, steps, We, We, 1, s->stream));
+    CUDA_TRY(pi0_cuda_linear_small_k(cond, NULL, hidden, w->time_mlp_out_w, w->time_mlp_out_b, steps, We, We, 1, s->stream));
     for (int n = 0; n <= 2 * depth; n++) {
         const gpu_gemma_layer *l = n < 2 * depth ? &w->expert[n / 2] : NULL;
         const pi0_bf16 *dense_w = !l ? w->expert_norm_dense_w : n % 2 ? l->post_dense_w : l->input_dense_w;
         const float *dense_b = !l ? w->expert_norm_dense_b : n % 2 ? l->post_dense_b : l->input_dense_b;
         for (int j = 0; j < 3; j++) /* scale, shift, gate: rows j We .. (j + 1) We of the dense layer */
-            CUDA_TRY(pi0_cuda_linear_small_k(table_mod(t, We, n, j, 0), 0, cond, dense_w + (size_t)j * We * We,
+            CUDA_TRY(pi0_cuda_linear_small_k(table_mod(t, We, n, j, 0), NULL, cond, dense_w + (size_t)j * We * We,
                                              dense_b + (size_t)j * We, steps, We, We, 0, s->stream));
     }
-    for (int n = 0; n < 2 * depth; n++)
+    for (int n = 0; n <= 2 * depth; n++) /* the final norm's too: the skinny Euler step's Linear */
         CUDA_TRY(pi0_cuda_one_plus_bf16(t->in_scale + (size_t)n * steps * We, table_mod(t, We, n, 0, 0), (size_t)steps * We,
                                         s->stream));
     for (int l = 0; l < depth; l++) {
-        CUDA_TRY(pi0_cuda_linear_small_k(t->qkv_bias + (size_t)l * steps * qkv_dim, 0, table_mod(t, We, 2 * l, 1, 0),
+        CUDA_TRY(pi0_cuda_linear_small_k(t->qkv_bias + (size_t)l * steps * qkv_dim, NULL, table_mod(t, We, 2 * l, 1, 0),
                                          w->expert[l].qkv_w, NULL, steps, We, qkv_dim, 0, s->stream));
-        CUDA_TRY(pi0_cuda_linear_small_k(t->gate_up_bias + (size_t)l * steps * gate_up, 0, table_mod(t, We, 2 * l + 1, 1, 0),
+        CUDA_TRY(pi0_cuda_linear_small_k(t->gate_up_bias + (size_t)l * steps * gate_up, NULL, table_mod(t, We, 2 * l + 1, 1, 0),
                                          w->expert[l].gate_up_w, NULL, steps, We, gate_up, 0, s->stream));
     }
+    CUDA_TRY(pi0_cuda_linear_small_k(t->out_col_bias, NULL, table_mod(t, We, 2 * depth, 1, 0), w->action_out_w,
+                                     w->action_out_b, steps, We, m->dims.action_dim, 0, s->stream));
     CUDA_TRY(cudaStreamSynchronize(s->stream)); /* time_emb_host is freed once this returns */
     return PI0_OK;
 }
@@ -372,10 +409,10 @@ pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, step_tables *t
     const pi0_dims *d = &m->dims;
     int We = d->expert.width, A = d->action_dim, steps = t->num_steps;
     size_t per_step = (size_t)steps * We * sizeof(float);
-    float *per_step_host = malloc(per_step + A * sizeof(float) + 1), *times = NULL;
+    float *per_step_host = malloc(per_step + 2 * A * sizeof(float) + 1), *times = NULL;
     if (!per_step_host) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
-    float *out_bias = per_step_host + (size_t)steps * We, dt = -1.0f / (float)steps;
-    for (int i = 0; i < A; i++) out_bias[i] = dt * m->weights.action_out_b[i];
+    float *out_bias = per_step_host + (size_t)steps * We, *out_gate = out_bias + A, dt = -1.0f / (float)steps;
+    for (int i = 0; i < A; i++) out_bias[i] = dt * m->weights.action_out_b[i], out_gate[i] = dt;
     pi0_status st = PI0_OK;
     if (d->kind == PI0_MODEL_PI05) { /* per_step_host: the time embedding of each step */
         if (!(times = malloc(sizeof(float) * steps))) st = pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
@@ -387,6 +424,7 @@ pi0_status cuda_step_constants(cuda_state *s, const pi0_model *m, step_tables *t
     /* on the backend's stream, which does not wait for the default one's copies */
     cudaError_t e = cudaSuccess;
     if (!st) e = cudaMemcpyAsync(t->out_bias, out_bias, A * sizeof(float), cudaMemcpyHostToDevice, s->stream);
+    if (!st && !e) e = cudaMemcpyAsync(t->out_gate, out_gate, A * sizeof(float), cudaMemcpyHostToDevice, s->stream);
     if (!st && !e && d->kind == PI0_MODEL_PI0)
         e = cudaMemcpyAsync(t->time_bias, per_step_host, per_step, cudaMemcpyHostToDevice, s->stream);
     if (!st && !e && d->kind == PI0_MODEL_PI0) e = cudaStreamSynchronize(s->stream); /* the host tables are freed below */
@@ -420,7 +458,7 @@ pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_er
     TRY(prefix_forward(s, m, g, err));
     CUDA_TRY(record(g->events[2], s->stream));
     if (d->kind == PI0_MODEL_PI0)
-        CUDA_TRY(pi0_cuda_linear_small_k(g->state_token, 0, g->in.state, s->w.state_proj_w, s->w.state_proj_b,
+        CUDA_TRY(pi0_cuda_linear_small_k(g->state_token, NULL, g->in.state, s->w.state_proj_w, s->w.state_proj_b,
                                          g->shape.batch, d->action_dim, d->expert.width, 0, s->stream));
     for (int step = 0; step < g->shape.num_steps; step++) TRY(denoise_step(s, m, g, step, err));
     CUDA_TRY(record(g->events[3], s->stream));

@@ -68,6 +68,7 @@ static void carve_tables(carver *c, step_tables *t, const pi0_dims *d) {
     const pi0_stack_dims *e = &d->expert;
     size_t steps = (size_t)t->num_steps, We = (size_t)e->width, f = sizeof(float);
     t->out_bias = carve(c, (size_t)d->action_dim * f);
+    t->out_gate = carve(c, (size_t)d->action_dim * f);
     t->denoise_layers = carve(c, steps * e->depth * sizeof(pi0_denoise_layer));
     if (d->kind == PI0_MODEL_PI0) {
         t->time_bias = carve(c, steps * We * f);
@@ -78,7 +79,8 @@ static void carve_tables(carver *c, step_tables *t, const pi0_dims *d) {
     t->qkv_bias = carve(c, (size_t)e->depth * steps * qkv_dim * f);
     t->gate_up_bias = carve(c, (size_t)e->depth * steps * 2 * e->mlp_dim * f);
     t->time_emb = carve(c, 3 * steps * We * f);
-    t->in_scale = carve(c, 2 * (size_t)e->depth * steps * We * sizeof(pi0_bf16));
+    t->in_scale = carve(c, (2 * (size_t)e->depth + 1) * steps * We * sizeof(pi0_bf16));
+    t->out_col_bias = carve(c, steps * d->action_dim * f);
 }
 
 static void tables_free(cuda_state *s, step_tables *t) {

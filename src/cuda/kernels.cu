@@ -322,10 +322,10 @@ static __global__ void assemble_prefix_kernel(float *x, const int *src, int dim,
 
 /* One block per (row, 256 outputs); the input row (k floats) is staged in shared memory. Rows go along x,
  * whose 2^31 - 1 blocks take any batch x horizon (y stops at 65535). */
-static __global__ void linear_small_k_kernel(void *out, int out_bf16, const float *in, const __nv_bfloat16 *w,
-                                             const float *bias, int k, int n, int swish) {
+static __device__ __forceinline__ void small_k_row(float *out_f32, __nv_bfloat16 *out_bf16, const float *in,
+                                                   const __nv_bfloat16 *w, const float *bias, int row, int k, int n,
+                                                   int swish) {
     extern __shared__ float x[];
-    int row = blockIdx.x;
     for (int j = threadIdx.x; j < k; j += blockDim.x) x[j] = in[(size_t)row * k + j];
     __syncthreads();
     int col = blockIdx.y * blockDim.x + threadIdx.x;
@@ -334,18 +334,34 @@ static __global__ void linear_small_k_kernel(void *out, int out_bf16, const floa
     const __nv_bfloat16 *wr = w + (size_t)col * k;
     for (int j = 0; j < k; j++) acc += x[j] * __bfloat162float(wr[j]);
     if (swish) acc = acc / (1.0f + __expf(-acc));
-    if (out_bf16) ((__nv_bfloat16 *)out)[(size_t)row * n + col] = __float2bfloat16(acc);
-    else ((float *)out)[(size_t)row * n + col] = acc;
+    if (out_f32) out_f32[(size_t)row * n + col] = acc;
+    if (out_bf16) out_bf16[(size_t)row * n + col] = __float2bfloat16(acc);
+}
+
+static __global__ void linear_small_k_kernel(float *out_f32, __nv_bfloat16 *out_bf16, const float *in,
+                                             const __nv_bfloat16 *w, const float *bias, int k, int n, int swish) {
+    small_k_row(out_f32, out_bf16, in, w, bias, blockIdx.x, k, n, swish);
+}
+
+/* Blocks x < horizon: the action-time MLP's hidden rows; block x = horizon: the state token into the suffix's row 0. */
+static __global__ void action_time_in_kernel(__nv_bfloat16 *hidden, float *suffix, __nv_bfloat16 *suffix_bf16,
+                                             const float *state_token, const float *x_t, const __nv_bfloat16 *w,
+                                             const float *bias, int horizon, int action_dim, int width) {
+    if ((int)blockIdx.x < horizon) return small_k_row(NULL, hidden, x_t, w, bias, blockIdx.x, action_dim, width, 1);
+    int col = blockIdx.y * blockDim.x + threadIdx.x;
+    if (col >= width) return;
+    suffix[col] = state_token[col];
+    suffix_bf16[col] = __float2bfloat16(state_token[col]);
 }
 
 static __global__ void assemble_suffix_kernel(float *suffix, __nv_bfloat16 *suffix_bf16, const float *state,
                                               const float *actions, int horizon, int width) {
-    int b = blockIdx.y, i = blockIdx.x, first = state != NULL; /* with a state: i = 0 is it, i > 0 action i - 1 */
-    const float *src = first && i == 0 ? state + (size_t)b * width : actions + ((size_t)b * horizon + i - first) * width;
-    size_t row = ((size_t)b * (horizon + first) + i) * width;
+    int b = blockIdx.y, i = blockIdx.x; /* i = 0: the state token, i > 0: action i - 1 */
+    const float *src = i == 0 ? state + (size_t)b * width : actions + ((size_t)b * horizon + i - 1) * width;
+    size_t row = ((size_t)b * (horizon + 1) + i) * width;
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
         suffix[row + j] = src[j];
-        if (suffix_bf16) suffix_bf16[row + j] = __float2bfloat16(src[j]);
+        suffix_bf16[row + j] = __float2bfloat16(src[j]);
     }
 }
 
@@ -446,20 +462,30 @@ cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim
     return cudaGetLastError();
 }
 
-cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
-                                    int rows, int k, int n, int swish, cudaStream_t stream) {
-    if (k > PI0_CUDA_SMALL_K_MAX) return cudaErrorInvalidValue;
+cudaError_t pi0_cuda_linear_small_k(float *out_f32, pi0_bf16 *out_bf16, const float *in, const pi0_bf16 *w,
+                                    const float *bias, int rows, int k, int n, int swish, cudaStream_t stream) {
+    if (k > PI0_CUDA_SMALL_K_MAX || (!out_f32 && !out_bf16)) return cudaErrorInvalidValue;
     if (rows > 0) {
         dim3 grid((unsigned)rows, (unsigned)((n + 255) / 256));
-        linear_small_k_kernel<<<grid, 256, (size_t)k * sizeof(float), stream>>>(out, out_bf16, in, as_bf16(w), bias, k,
-                                                                              n, swish);
+        linear_small_k_kernel<<<grid, 256, (size_t)k * sizeof(float), stream>>>(out_f32, as_bf16(out_bf16), in, as_bf16(w),
+                                                                              bias, k, n, swish);
     }
+    return cudaGetLastError();
+}
+
+cudaError_t pi0_cuda_action_time_in(pi0_bf16 *hidden, float *suffix, pi0_bf16 *suffix_bf16, const float *state_token,
+                                    const float *x_t, const pi0_bf16 *w, const float *bias, int horizon, int action_dim,
+                                    int width, cudaStream_t stream) {
+    if (action_dim > PI0_CUDA_SMALL_K_MAX) return cudaErrorInvalidValue;
+    dim3 grid((unsigned)horizon + 1, (unsigned)((width + 255) / 256));
+    action_time_in_kernel<<<grid, 256, (size_t)action_dim * sizeof(float), stream>>>(
+        as_bf16(hidden), suffix, as_bf16(suffix_bf16), state_token, x_t, as_bf16(w), bias, horizon, action_dim, width);
     return cudaGetLastError();
 }
 
 cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
                                      int batch, int horizon, int width, cudaStream_t stream) {
-    if (batch > 0) assemble_suffix_kernel<<<dim3((unsigned)(horizon + (state != NULL)), (unsigned)batch), 256, 0, stream>>>(
+    if (batch > 0) assemble_suffix_kernel<<<dim3((unsigned)horizon + 1, (unsigned)batch), 256, 0, stream>>>(
         suffix, as_bf16(suffix_bf16), state, actions, horizon, width);
     return cudaGetLastError();
 }

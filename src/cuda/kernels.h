@@ -82,15 +82,23 @@ cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim
 
 /* out (rows, n) = act(in (rows, k) float32 . w (n, k)^T + bias): a Linear with a tiny input width
  * (the 32 action dims; Pi0.5's time MLP, once per step count: the expert's width). act = 1: swish.
- * out_bf16 selects the output type. k up to PI0_CUDA_SMALL_K_MAX (cudaErrorInvalidValue past it): the
- * input row is staged in the 48 KB of shared memory a kernel has without opting in to more. */
+ * Written to out_f32 and (rounded) to out_bf16, each when not NULL (one at least). k up to PI0_CUDA_SMALL_K_MAX
+ * (cudaErrorInvalidValue past it): the input row is staged in the 48 KB of shared memory a kernel has without
+ * opting in to more. */
 #define PI0_CUDA_SMALL_K_MAX (48 * 1024 / 4)
-cudaError_t pi0_cuda_linear_small_k(void *out, int out_bf16, const float *in, const pi0_bf16 *w, const float *bias,
-                                    int rows, int k, int n, int swish, cudaStream_t stream);
+cudaError_t pi0_cuda_linear_small_k(float *out_f32, pi0_bf16 *out_bf16, const float *in, const pi0_bf16 *w,
+                                    const float *bias, int rows, int k, int n, int swish, cudaStream_t stream);
 
-/* suffix (B S, W): with a state (Pi0, S = H + 1) row b S = state[b] and rows b S + 1 + i = actions[b H + i];
- * without (Pi0.5, state NULL, S = H) rows b S + i = actions[b H + i]. Also rounded to bf16 into suffix_bf16
- * unless it is NULL (the input of the skinny Linears, skinny.h). */
+/* Pi0's first kernel of a batch-1 denoise step on the skinny path (forward.c's suffix_tokens_skinny): hidden
+ * (horizon, width) bf16 = swish(x_t (horizon, action_dim) . w (width, action_dim)^T + bias), and the state token
+ * (width) copied to the suffix's row 0, float32 and bf16 (the action rows come from the next Linear). */
+cudaError_t pi0_cuda_action_time_in(pi0_bf16 *hidden, float *suffix, pi0_bf16 *suffix_bf16, const float *state_token,
+                                    const float *x_t, const pi0_bf16 *w, const float *bias, int horizon, int action_dim,
+                                    int width, cudaStream_t stream);
+
+/* Pi0's suffix (B S, W), S = H + 1: row b S = state[b] and rows b S + 1 + i = actions[b H + i], also rounded to
+ * bf16 into suffix_bf16 (the input of the skinny Linears, skinny.h). (Pi0.5's suffix is its action tokens: forward.c
+ * writes them in place.) */
 cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
                                      int batch, int horizon, int width, cudaStream_t stream);
 

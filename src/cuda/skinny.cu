@@ -49,6 +49,7 @@ struct SkinnyParams {
     const float *col_bias;
     int epilogue;
     uint16_t *out;
+    float *out_f32;
     float *residual;
     uint16_t *residual_bf16;
     const float *gate;
@@ -257,6 +258,7 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
         const float v1 = pairs ? column_total<NC>(smem, warps, row, col + 1) * scale + col_bias(p, n + 1) : 0.f;
         if (p.epilogue == SKINNY_STORE) {
             p.out[(size_t)m * p.n + n] = __bfloat16_as_ushort(__float2bfloat16(v0));
+            if (p.out_f32) p.out_f32[(size_t)m * p.n + n] = v0;
         } else if (pairs) {
             p.out[(size_t)m * (p.n / 2) + n / 2] = __bfloat16_as_ushort(__float2bfloat16(gelu_tanh(v0) * v1));
         } else {
@@ -332,7 +334,7 @@ extern "C" int pi0_cuda_skinny_block_supported(int width, int mlp_dim, int head_
 extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream) {
     if (!pi0_cuda_skinny_supported(a)) return cudaErrorInvalidValue;
     const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,
-                            a->out, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
+                            a->out, a->out_f32, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
                             a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
     const Shape s = choose_shape(a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL);
     /* C 8 and NT 4 never come with in_scale (choose_shape), so only NT 1 and 2 have both variants */

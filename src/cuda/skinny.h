@@ -9,7 +9,8 @@
  * with a per-step scale and shift (docs/model.md#adaptive-rmsnorm), is the same product with x scaled by
  * in_scale = bf16(1 + scale) column by column before the multiply, and shift . w^T (col_bias, one float per output
  * column, computed once per shape) added after the row factor. Epilogues:
- *   SKINNY_STORE     out (m, n) bf16
+ *   SKINNY_STORE     out (m, n) bf16, and out_f32 (m, n) float32 when given (the denoise step's action tokens:
+ *                    the suffix rows in both forms)
  *   SKINNY_GELU_MUL  out (m, n / 2) bf16 = gelu_tanh(gate) * up, w's rows interleaved (gate_j, up_j)
  *   SKINNY_RESIDUAL  residual (m, n) float32 += result (gate * result with a gate vector: Pi0.5's gated
  *                    residual), and residual_bf16 = the new rows in bf16 (the next skinny layer's x)
@@ -50,6 +51,7 @@ typedef struct {
     const float *col_bias;   /* (n) added to the result after the row factor; NULL: none */
     int epilogue;
     pi0_bf16 *out;           /* STORE, GELU_MUL, ROPE_QKV */
+    float *out_f32;          /* STORE: the float32 result as well; NULL: not */
     float *residual;         /* RESIDUAL */
     pi0_bf16 *residual_bf16; /* RESIDUAL */
     const float *gate;       /* RESIDUAL: (n) the result is multiplied by it before the add; NULL: by 1 */

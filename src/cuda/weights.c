@@ -205,6 +205,16 @@ static float *fold_time_in(const pi0_weights *w, int We, int A) {
     return fold;
 }
 
+/* Pi0: action_out_proj's weights (A, We) times the final norm's 1 + w, column by column in float32 (the loader's
+ * fold for the layers' norms), for the skinny Euler step whose Linear applies the norm's row factor. */
+static float *fold_final_norm(const pi0_weights *w, int We, int A) {
+    float *fold = malloc((size_t)A * We * sizeof(float));
+    if (!fold) return NULL;
+    for (int i = 0; i < A; i++)
+        for (int k = 0; k < We; k++) fold[(size_t)i * We + k] = w->action_out_w[(size_t)i * We + k] * (1.0f + w->expert_norm[k]);
+    return fold;
+}
+
 /* RoPE tables for every position a plan may use: the CPU backend's, so both rotate alike. */
 static int upload_rope(cuda_state *s, int head_dim, pi0_error *err) {
     rope_table t = {0};
@@ -223,26 +233,32 @@ static int upload_heads(cuda_state *s, const pi0_model *m, loader *ld, pi0_error
     const pi0_weights *w = &m->weights;
     gpu_weights *g = &s->w;
     size_t We = (size_t)d->expert.width, A = (size_t)d->action_dim;
-    g->action_out_w = UP_BF16({w->action_out_w, A * We});
+    g->action_out_w = UP_BF16({w->action_out_w, A * We}), g->action_out_b = UP_F32({w->action_out_b, A});
+    if (!g->action_out_w || !g->action_out_b) return -1;
     if (d->kind == PI0_MODEL_PI05) {
         g->action_in_w = UP_BF16({w->action_in_w, We * A}), g->action_in_b = UP_F32({w->action_in_b, We});
         g->time_mlp_in_w = UP_BF16({w->time_mlp_in_w, We * We}), g->time_mlp_in_b = UP_F32({w->time_mlp_in_b, We});
         g->time_mlp_out_w = UP_BF16({w->time_mlp_out_w, We * We}), g->time_mlp_out_b = UP_F32({w->time_mlp_out_b, We});
         g->expert_norm_dense_w = STREAM(3 * We * We, {&w->expert_norm_dense_w, 0, 1, NULL});
         g->expert_norm_dense_b = UP_F32({w->expert_norm_dense_b, 3 * We});
-        return g->action_out_w && g->action_in_w && g->action_in_b && g->time_mlp_in_w && g->time_mlp_in_b &&
+        return g->action_in_w && g->action_in_b && g->time_mlp_in_w && g->time_mlp_in_b &&
                        g->time_mlp_out_w && g->time_mlp_out_b && g->expert_norm_dense_w && g->expert_norm_dense_b
                    ? 0
                    : -1;
     }
-    float *fold = fold_time_in(w, (int)We, (int)A);
-    if (!fold) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing GPU weights"), -1;
+    float *fold = fold_time_in(w, (int)We, (int)A), *out_fold = fold_final_norm(w, (int)We, (int)A);
+    if (!fold || !out_fold) {
+        free(fold), free(out_fold);
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing GPU weights"), -1;
+    }
     g->expert_norm = UP_F32({w->expert_norm, We});
+    g->action_out_fold_w = UP_BF16({out_fold, A * We});
+    free(out_fold);
     g->state_proj_w = UP_BF16({w->state_proj_w, We * A}), g->state_proj_b = UP_F32({w->state_proj_b, We});
     g->time_fold_w = UP_BF16({fold, We * A});
     g->time_out_w = UP_BF16({w->action_time_out_w, We * We}), g->time_out_b = UP_F32({w->action_time_out_b, We});
     free(fold);
-    return g->action_out_w && g->expert_norm && g->state_proj_w && g->state_proj_b && g->time_fold_w && g->time_out_w &&
+    return g->expert_norm && g->action_out_fold_w && g->state_proj_w && g->state_proj_b && g->time_fold_w && g->time_out_w &&
                    g->time_out_b
                ? 0
                : -1;

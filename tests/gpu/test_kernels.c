@@ -282,12 +282,6 @@ TEST(assemble_prefix_and_suffix) {
             }
     CHECK(bad == 0, "assemble_suffix: %d mismatches", bad);
     CHECK(bad_bf16 == 0, "assemble_suffix bf16 copy: %d mismatches", bad_bf16);
-    /* Pi0.5: no state token, the actions alone */
-    CUDA_OK(pi0_cuda_assemble_suffix(dsuffix, dsuffix_bf16, NULL, dact, B, H, W, 0));
-    CUDA_OK(cudaDeviceSynchronize());
-    free(suffix);
-    suffix = download_f32(dsuffix, (size_t)B * (H + 1) * W);
-    CHECK(memcmp(suffix, act, (size_t)B * H * W * 4) == 0, "assemble_suffix without a state differs from the actions");
     free(vision), free(embed), free(embed_bits), free(x), free(state), free(act), free(suffix), free(suffix_bf16);
     cudaFree(dvision), cudaFree(dx), cudaFree(dembed), cudaFree(dsrc), cudaFree(dstate), cudaFree(dact), cudaFree(dsuffix);
     cudaFree(dsuffix_bf16);
@@ -304,18 +298,61 @@ TEST(linear_small_k_matches_cpu) {
         cpu_linear(ref, x, rows, k, w, b, n);
         if (swish) cpu_swish_inplace(ref, (size_t)rows * n);
         float *df = dev_poisoned((size_t)rows * n * 4);
-        pi0_bf16 *dh = dev_poisoned((size_t)rows * n * 2);
-        CUDA_OK(pi0_cuda_linear_small_k(df, 0, dx, dw, db, rows, k, n, swish, 0));
-        CUDA_OK(pi0_cuda_linear_small_k(dh, 1, dx, dw, db, rows, k, n, swish, 0));
+        pi0_bf16 *dh = dev_poisoned((size_t)rows * n * 2), *dboth = dev_poisoned((size_t)rows * n * 2);
+        CUDA_OK(pi0_cuda_linear_small_k(df, dboth, dx, dw, db, rows, k, n, swish, 0)); /* both outputs */
+        CUDA_OK(pi0_cuda_linear_small_k(NULL, dh, dx, dw, db, rows, k, n, swish, 0));
+        CHECK(pi0_cuda_linear_small_k(NULL, NULL, dx, dw, db, rows, k, n, swish, 0) == cudaErrorInvalidValue, "no output");
         CUDA_OK(cudaDeviceSynchronize());
         float *gf = download_f32(df, (size_t)rows * n), *gh = download_bf16(dh, (size_t)rows * n);
+        uint16_t *both = malloc((size_t)rows * n * 2);
+        CUDA_OK(cudaMemcpy(both, dboth, (size_t)rows * n * 2, cudaMemcpyDeviceToHost));
         CHECK(rel_error(gf, ref, (size_t)rows * n) <= 1e-5, "f32 out, swish %d: %.3g", swish, rel_error(gf, ref, (size_t)rows * n));
         CHECK(rel_error(gh, ref, (size_t)rows * n) <= TOL_BF16_OUT, "bf16 out, swish %d", swish);
-        free(gf), free(gh);
-        cudaFree(df), cudaFree(dh);
+        int bad = 0;
+        for (size_t i = 0; i < (size_t)rows * n; i++) bad += both[i] != bf16_bits(gf[i]);
+        CHECK(bad == 0, "swish %d: %d bf16 outputs are not the float32 ones rounded", swish, bad);
+        free(gf), free(gh), free(both);
+        cudaFree(df), cudaFree(dh), cudaFree(dboth);
     }
     free(x), free(w), free(b), free(ref), free(wbits);
     cudaFree(dx), cudaFree(db), cudaFree(dw);
+}
+
+/* Pi0's first kernel of a skinny denoise step: the hidden rows as linear_small_k's (bf16, swish) and the state
+ * token in the suffix's row 0, float32 and bf16; the action rows after it are left alone (the next Linear's). */
+TEST(action_time_in_matches_cpu) {
+    int H = 10, A = 32, W = 1030;
+    float *x = malloc(H * A * 4), *w = malloc((size_t)W * A * 4), *b = malloc(W * 4), *state = malloc(W * 4);
+    float *ref = malloc((size_t)H * W * 4);
+    fill_uniform(x, H * A, 1.0f), fill_uniform(w, (size_t)W * A, 0.3f), fill_uniform(b, W, 0.5f), fill_uniform(state, W, 3.0f);
+    uint16_t *wbits = to_bf16_rounding(w, (size_t)W * A);
+    cpu_linear(ref, x, H, A, w, b, W);
+    cpu_swish_inplace(ref, (size_t)H * W);
+    float *dx = dev_upload(x, H * A * 4), *db = dev_upload(b, W * 4), *dstate = dev_upload(state, W * 4);
+    pi0_bf16 *dw = dev_upload(wbits, (size_t)W * A * 2), *dh = dev_poisoned(((size_t)H * W + 64) * 2);
+    float *dsuffix = dev_poisoned((size_t)(H + 1) * W * 4);
+    pi0_bf16 *dsuffix_bf16 = dev_poisoned((size_t)(H + 1) * W * 2);
+    CUDA_OK(pi0_cuda_action_time_in(dh, dsuffix, dsuffix_bf16, dstate, dx, dw, db, H, A, W, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *gh = download_bf16(dh, (size_t)H * W), *suffix = download_f32(dsuffix, (size_t)(H + 1) * W);
+    uint16_t *suffix_bf16 = malloc((size_t)(H + 1) * W * 2), *guard = malloc(64 * 2);
+    CUDA_OK(cudaMemcpy(suffix_bf16, dsuffix_bf16, (size_t)(H + 1) * W * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(guard, dh + (size_t)H * W, 64 * 2, cudaMemcpyDeviceToHost));
+    CHECK(rel_error(gh, ref, (size_t)H * W) <= TOL_BF16_OUT, "hidden rows: %.3g", rel_error(gh, ref, (size_t)H * W));
+    int bad = 0, touched = 0;
+    for (int j = 0; j < W; j++) bad += suffix[j] != state[j] || suffix_bf16[j] != bf16_bits(state[j]);
+    uint32_t poison_f32;
+    memcpy(&poison_f32, &suffix[W], 4);
+    for (size_t i = W; i < (size_t)(H + 1) * W; i++) {
+        uint32_t bits;
+        memcpy(&bits, &suffix[i], 4);
+        touched += bits != poison_f32 || suffix_bf16[i] != suffix_bf16[W];
+    }
+    for (int i = 0; i < 64; i++) touched += guard[i] != 0xffff;
+    CHECK(bad == 0, "%d state token values differ", bad);
+    CHECK(touched == 0, "%d values written past the state row or the hidden rows", touched);
+    free(x), free(w), free(b), free(state), free(ref), free(wbits), free(gh), free(suffix), free(suffix_bf16), free(guard);
+    cudaFree(dx), cudaFree(db), cudaFree(dstate), cudaFree(dw), cudaFree(dh), cudaFree(dsuffix), cudaFree(dsuffix_bf16);
 }
 
 /* cuBLASLt: every flavour the backend uses, against a double-precision loop on the same operands. */
@@ -445,6 +482,7 @@ int main(int argc, char **argv) {
     RUN(im2col_and_bias_pos);
     RUN(assemble_prefix_and_suffix);
     RUN(linear_small_k_matches_cpu);
+    RUN(action_time_in_matches_cpu);
     RUN(gemm_matches_cpu);
     return check_finish();
 }

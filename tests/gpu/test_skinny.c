@@ -87,12 +87,13 @@ static void run_case(skinny_case c) {
     pi0_bf16 *dx = dev_upload(xb, (size_t)m * k * 2), *dw = dev_upload(wb, (size_t)n * k * 2);
     pi0_bf16 *dout = dev_poisoned((out_n + GUARD) * 2), *dres_bf16 = dev_poisoned(((size_t)m * n + GUARD) * 2);
     float *dres = dev_upload(NULL, ((size_t)m * n + GUARD) * 4);
+    float *dout_f32 = c.epilogue == SKINNY_STORE ? dev_poisoned(out_n * 4) : NULL; /* STORE's float32 copy */
     pi0_bf16 *dscale = ad.scale ? dev_upload(ad.scale, (size_t)k * 2) : NULL;
     float *dbias = ad.bias ? dev_upload(ad.bias, (size_t)n * 4) : NULL, *dgate = ad.gate ? dev_upload(ad.gate, (size_t)n * 4) : NULL;
     REQUIRE(dx && dw && dout && dres_bf16 && dres, "device allocation");
     skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = c.rms_norm, .eps = 1e-6f, .in_scale = dscale,
-                     .col_bias = dbias, .epilogue = c.epilogue, .out = dout, .residual = dres, .residual_bf16 = dres_bf16,
-                     .gate = dgate};
+                     .col_bias = dbias, .epilogue = c.epilogue, .out = dout, .out_f32 = dout_f32, .residual = dres,
+                     .residual_bf16 = dres_bf16, .gate = dgate};
     float *got[2] = {NULL, NULL};
     uint16_t *bits[2] = {NULL, NULL};
     for (int run = 0; run < 2; run++) { /* twice from the same inputs: bitwise repeatable */
@@ -126,11 +127,19 @@ static void run_case(skinny_case c) {
         CHECK(poisoned_bf16(res_bits, GUARD), "epilogue %d wrote the residual's bf16 copy", c.epilogue);
         free(res_bits);
     }
+    if (dout_f32) { /* the float32 rows, of which out is the rounding */
+        float *f32 = download_f32(dout_f32, out_n);
+        int bad = 0;
+        for (size_t i = 0; i < out_n; i++) bad += bits[0][i] != bf16_bits(f32[i]);
+        CHECK(bad == 0 && rel_error(f32, ref, out_n) <= tol, "m %d n %d k %d: float32 copy: %d not rounding to out, error %.3g",
+              m, n, k, bad, rel_error(f32, ref, out_n));
+        free(f32);
+    }
     for (int run = 0; run < 2; run++) free(got[run]), free(bits[run]);
     free(x), free(w), free(res), free(xb), free(wb), free(ref);
     adaptive_free(&ad);
     cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(dres_bf16), cudaFree(dres);
-    cudaFree(dscale), cudaFree(dbias), cudaFree(dgate);
+    cudaFree(dscale), cudaFree(dbias), cudaFree(dgate), cudaFree(dout_f32);
 }
 
 TEST(pi0_expert_shapes) {
