@@ -120,7 +120,7 @@ __device__ __forceinline__ float column_total(const float *part, int warps, int 
 /* SCALE: Pi0.5's adaptive scale of x (in_scale) is in use. A template argument, so that the other kernels
  * carry neither its registers nor its branch in the main loop (col_bias and gate are epilogue-only checks). */
 template <int NT, int C, bool SCALE>
-__global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 1) skinny_kernel(SkinnyParams p) {
+__global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams p) {
     constexpr int NC = 8 * NT; /* columns of the block */
     extern __shared__ float smem[];
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
 
     /* Outputs (columns, or column pairs) per block row: a power of two, so that the epilogue's index math is shifts
      * (a division here is ~20 dependent instructions on the chain after the product). */
-    constexpr int LOG2_NC = NT == 4 ? 5 : NT == 2 ? 4 : 3;
+    constexpr int LOG2_NC = NT == 2 ? 4 : 3;
     static_assert(NC == 1 << LOG2_NC, "NC is 8 NT");
     const int pairs = rope || p.epilogue == SKINNY_GELU_MUL, row_shift = LOG2_NC - pairs, per_row = 1 << row_shift;
 
@@ -204,8 +204,7 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
      * below rather than following it. (Not before the product: live across the loop, their registers would cost
      * the weight loads in flight.) A warp that ran no pass has not waited for the kernel before: it waits here. */
     const int first_m = m0 + ((int)threadIdx.x >> row_shift), first_n = n0 + ((int)threadIdx.x & (per_row - 1));
-    const bool early = NT <= 2 && p.epilogue == SKINNY_RESIDUAL && (int)threadIdx.x < 16 * per_row && first_m < p.m &&
-                       first_n < p.n; /* (NT 4 is gate|up's kernel: its epilogue stays as it was) */
+    const bool early = p.epilogue == SKINNY_RESIDUAL && (int)threadIdx.x < 16 * per_row && first_m < p.m && first_n < p.n;
     float early_res = 0.f, early_gate = 1.f;
     if (early) {
         pdl_wait();
@@ -273,10 +272,11 @@ __global__ void __launch_bounds__(NT == 4 ? 256 : kMaxWarps * 32, NT == 4 ? 2 : 
 
 /* The block's shape for (n, k), see the design note: warps split k (up to 16, at least 4 chunks of
  * 32 each), NT n8 tiles per block chosen so the grid still has ~128+ blocks, C = 8 chunks per pass
- * when k is long. Registers (at most 128 a thread, so 2 blocks of 8 warps or 1 of 16 fit an SM)
- * bound NT: 4 only with C = 4 and 8 warps, 1 with C = 8; with Pi0.5's adaptive scale (4 more registers a
- * chunk) NT 2 and C 4 at most. Pi0's expert: QKV (2560 x 1024) NT 2,
- * gate|up (8192 x 1024) NT 4, o_proj (1024 x 2048) NT 1 with 16 warps, down (1024 x 4096) NT 1, C 8. */
+ * when k is long. Registers (at most 128 a thread) bound NT: 2 with C = 4, 1 with C = 8. A grid of 512 blocks or
+ * more gets 4-warp blocks (each warp then takes two passes): four of them share an SM, which beat two blocks of 8
+ * warps by ~1 us on gate|up (bench/NOTES.md, session 14; NT 4 in 8 warps, its former shape, spilled). Pi0's
+ * expert: QKV (2560 x 1024) NT 2, gate|up (8192 x 1024) NT 2 with 4 warps, o_proj (1024 x 2048) NT 1 with 16
+ * warps, down (1024 x 4096) NT 1, C 8. */
 struct Shape {
     int warps, nt, chunks;
 };
@@ -288,9 +288,9 @@ Shape choose_shape(int n, int k, int rope, int scale) {
     s.chunks = k > s.warps * 4 * 32 && !scale ? 8 : 4;
     const int tiles = (n + 7) / 8;
     s.nt = 1;
-    /* with the adaptive scale's registers (4 per chunk) NT 4 would spill: at most 2 */
-    const int max_nt = s.chunks == 8 ? 1 : s.warps <= 8 && !scale ? 4 : 2;
+    const int max_nt = s.chunks == 8 ? 1 : 2;
     while (s.nt < max_nt && tiles / (2 * s.nt) >= 128) s.nt *= 2;
+    if (tiles / s.nt >= 512 && s.warps > 4) s.warps /= 2;
     if (rope) s.nt = 2, s.chunks = 4; /* a block holds 8 columns of each half of a head */
     return s;
 }
@@ -337,8 +337,7 @@ extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t
                             a->out, a->out_f32, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
                             a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
     const Shape s = choose_shape(a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL);
-    /* C 8 and NT 4 never come with in_scale (choose_shape), so only NT 1 and 2 have both variants */
+    /* C 8 never comes with in_scale (choose_shape), so only C 4 has both variants */
     if (s.chunks == 8) return launch_as<1, 8, false>(p, s.warps, stream);
-    if (s.nt == 4) return launch_as<4, 4, false>(p, s.warps, stream);
     return s.nt == 1 ? launch<1, 4>(p, s.warps, stream) : launch<2, 4>(p, s.warps, stream);
 }

@@ -148,8 +148,7 @@ TEST(pi0_expert_shapes) {
     run_case((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0, 0}); /* o_proj + residual */
     run_case((skinny_case){11, 8192, 1024, SKINNY_GELU_MUL, 1, 0}); /* gate|up, post-attention norm, gelu x up */
     run_case((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0, 0}); /* down + residual */
-    /* a residual through the 4-tile blocks (gate|up's kernel, whose epilogue reads the residual late), one and two
-     * row tiles */
+    /* a residual through gate|up's block shape (a grid of 512+ blocks: 4 warps of two passes), one and two row tiles */
     run_case((skinny_case){11, 8200, 1024, SKINNY_RESIDUAL, 0, 1});
     run_case((skinny_case){17, 8200, 1024, SKINNY_RESIDUAL, 0, 0});
 }
@@ -174,7 +173,7 @@ TEST(awkward_shapes) {
         run_case((skinny_case){rows[i], 24, 8, SKINNY_STORE, 0, 0});          /* k below one chunk */
         run_case((skinny_case){rows[i], 1000, 40, SKINNY_STORE, 1, 0});       /* k tail, n past the tile */
         run_case((skinny_case){rows[i], 7, 264, SKINNY_RESIDUAL, 0, 0});      /* n < 8 */
-        run_case((skinny_case){rows[i], 8200, 1024, SKINNY_GELU_MUL, 1, 0});  /* 4 n8 tiles a block, the last block partial */
+        run_case((skinny_case){rows[i], 8200, 1024, SKINNY_GELU_MUL, 1, 0});  /* 4-warp blocks, the last block partial */
         run_case((skinny_case){rows[i], 4106, 1032, SKINNY_GELU_MUL, 0, 0});  /* 8 chunks a pass, k tail */
         run_case((skinny_case){rows[i], 1030, 4104, SKINNY_RESIDUAL, 1, 0});  /* C 8, a second pass */
         run_case((skinny_case){rows[i], 2056, 2056, SKINNY_STORE, 0, 0});     /* 16 warps, k tail */
