@@ -231,12 +231,12 @@ static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g
                                 pi0_error *err) {
     const gpu_weights *w = &s->w;
     int B = g->shape.batch, H = g->shape.horizon, BH = B * H, We = m->dims.expert.width, A = m->dims.action_dim;
-    const float *time_bias = g->tables->time_bias + (size_t)step * We;
     if (m->dims.kind == PI0_MODEL_PI05) {
         CUDA_TRY(pi0_cuda_linear_small_k(g->suffix, g->suffix_bf16, g->in.x_t, w->action_in_w, w->action_in_b, BH, A, We, 0,
                                          s->stream));
         return PI0_OK;
     }
+    const float *time_bias = g->tables->time_bias + (size_t)step * We;
     if (skinny_rows) { /* one sample: the state row with the hidden rows, the action rows straight into the suffix */
         CUDA_TRY(pi0_cuda_action_time_in(g->time_hidden, g->suffix, g->suffix_bf16, g->state_token, g->in.x_t,
                                          w->time_fold_w, time_bias, H, A, We, s->stream));
