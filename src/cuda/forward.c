@@ -57,6 +57,11 @@ typedef struct {
     norm_mod attn, mlp;
 } block_mods;
 
+/* Whether a Gemma block over `rows` rows can take the skinny Linears (gemma_block_skinny below). */
+static int skinny_fits(const cuda_state *s, const pi0_stack_dims *d, int rows) {
+    return s->use_skinny && rows <= SKINNY_MAX_ROWS && pi0_cuda_skinny_block_supported(d->width, d->mlp_dim, d->head_dim);
+}
+
 /* The expert's block over a few rows (a batch-1 denoise step): 4 skinny Linears (skinny.h) with the
  * norms (Pi0: folded at load; Pi0.5: scale and shift applied inside), RoPE and the K/V cache writes, and
  * gelu x up inside them, the (gated) residual adds in their epilogues, which also keep x_bf16 current for
@@ -112,8 +117,7 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
     int qkv_dim = q_dim + 2 * kv_dim;
     /* a few rows: the skinny Linears, where the dims allow them; else cuBLASLt and the separate kernels below */
-    if (r->x_bf16 && s->use_skinny && r->rows <= SKINNY_MAX_ROWS && !kv_only &&
-        pi0_cuda_skinny_block_supported(W, d->mlp_dim, hd))
+    if (r->x_bf16 && !kv_only && skinny_fits(s, d, r->rows))
         return gemma_block_skinny(s, l, d, r, cache_k, cache_v, mods, err);
     TRY(block_norm(s, r, W, l->input_norm, mods ? &mods->attn : NULL, err));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));
@@ -217,11 +221,10 @@ static block_mods layer_mods(const pi0_model *m, const cuda_graph *g, int layer,
 }
 
 /* Whether a denoise step's rows take the skinny path: a batch of one whose suffix gemma_block runs through the
- * skinny Linears. Then the action rows come from one too, and so does the Euler step. */
+ * skinny Linears (which keep suffix_bf16 current). Then the action rows come from one too, and so does the Euler
+ * step. */
 static int suffix_is_skinny(const cuda_state *s, const pi0_model *m, const cuda_graph *g) {
-    const pi0_stack_dims *d = &m->dims.expert;
-    return s->use_skinny && g->shape.batch == 1 && g->suffix_len <= SKINNY_MAX_ROWS &&
-           pi0_cuda_skinny_block_supported(d->width, d->mlp_dim, d->head_dim);
+    return g->shape.batch == 1 && skinny_fits(s, &m->dims.expert, g->suffix_len);
 }
 
 /* The suffix rows of this step: Pi0's [state token, action_time_mlp(action_in_proj(x), time)] with

@@ -150,10 +150,12 @@ static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     g->denoise_ws = g->persistent ? carve(c, pi0_cuda_denoise_workspace(d->expert.num_kv_heads, d->expert.head_dim,
                                                                         sh->max_prefix + g->suffix_len))
                                   : NULL;
-    g->state_token = carve(c, B * We * f);
-    g->action_tokens = carve(c, BH * We * f);
+    if (d->kind == PI0_MODEL_PI0) { /* the suffix's parts (Pi0.5's action tokens are written into the suffix) */
+        g->state_token = carve(c, B * We * f);
+        g->action_tokens = carve(c, BH * We * f);
+        g->time_hidden = carve(c, BH * We * bf);
+    }
     carve_gemma(c, &g->suffix_buffers, R, &d->expert);
-    g->time_hidden = carve(c, BH * We * bf);
     g->final_h = carve(c, BH * We * bf);
 }
 

@@ -89,7 +89,7 @@ cudaError_t pi0_cuda_assemble_prefix(float *x, const int *src, int rows, int dim
 cudaError_t pi0_cuda_linear_small_k(float *out_f32, pi0_bf16 *out_bf16, const float *in, const pi0_bf16 *w,
                                     const float *bias, int rows, int k, int n, int swish, cudaStream_t stream);
 
-/* Pi0's first kernel of a batch-1 denoise step on the skinny path (forward.c's suffix_tokens_skinny): hidden
+/* Pi0's first kernel of a batch-1 denoise step on the skinny path (forward.c's suffix_tokens): hidden
  * (horizon, width) bf16 = swish(x_t (horizon, action_dim) . w (width, action_dim)^T + bias), and the state token
  * (width) copied to the suffix's row 0, float32 and bf16 (the action rows come from the next Linear). */
 cudaError_t pi0_cuda_action_time_in(pi0_bf16 *hidden, float *suffix, pi0_bf16 *suffix_bf16, const float *state_token,
