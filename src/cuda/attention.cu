@@ -7,8 +7,9 @@
  * a block of 64 rows covers 8 tokens x 8 heads, and an 11-token denoise segment needs only two blocks
  * per sample instead of one mostly-empty block per head. A block is 4 warps, 64 virtual rows (16 per
  * warp, one m16 tile each); grid = (row tiles of the largest segment, kv heads, segments), blocks past
- * their segment's rows return at once. Keys go by in tiles of 64: K and V are copied to shared memory
- * with 16-byte cp.async (zero-filled past num_k, so no key outside the segment is ever read), and the
+ * their segment's rows return at once. Keys go by in tiles of 64 (256 at head dim 72: the ViT's keys in one
+ * tile, so one softmax and one wait for its loads instead of a chain of four tiles): K and V are copied to shared
+ * memory with 16-byte cp.async (zero-filled past num_k, so no key outside the segment is ever read), and the
  * copies overlap the math: V(j) streams in while S = Q K(j)^T is computed, K(j+1) while O += P V(j)
  * is. S and O use mma.sync m16n8k16 (bf16 in, fp32 accumulate) fed by ldmatrix (V through .trans).
  * The online softmax runs in fp32 in registers, in the log2 domain (exp2 of logits pre-scaled by
@@ -36,9 +37,9 @@
  * the output is 9 n8 tiles. Shared-memory rows are padded by 16 bytes, which makes every ldmatrix and
  * the staging stores free of bank conflicts. Shared memory per block: Q + K + V tiles of 64 rows =
  * 3 * 64 * (256 + 8) * 2 = 99 KB for 256 (two blocks per SM on Hopper; exactly the 99 KB opt-in limit
- * of sm_86/sm_89), 33 KB for 72. For 72 the Q fragments stay in registers for the whole loop; for 256
- * they are re-read from shared memory per tile (keeping them would cost 64 more registers on top of
- * the 128 of the O accumulator and spill).
+ * of sm_86/sm_89), and for 72 a Q tile of 64 rows with K and V tiles of 256: (64 + 2 * 256) * 88 * 2 = 99 KB
+ * as well. For 256 the Q fragments are re-read from shared memory per tile (keeping them would cost 64 more
+ * registers on top of the 128 of the O accumulator and spill).
  *
  * Other head dims (any multiple of 8 up to 256: models the CPU runs, test models) run padded: an
  * instantiation with PADDED = true and HD = 64, 128 or 256 takes the call's head_dim <= HD at run time,
@@ -88,8 +89,11 @@ struct AttnConfig {
     static constexpr int LDS = HDP + 8;               /* smem row stride (elements): +16 bytes vs bank conflicts */
     static constexpr int KCH = HDP / 16;              /* k16 steps of Q K^T */
     static constexpr int NTO = HD / 8;                /* n8 output tiles of P V */
-    static constexpr int TILE = kRows * LDS;          /* elements of one smem tile (Q, K or V) */
-    static constexpr size_t SMEM = 3 * (size_t)TILE * sizeof(uint16_t);
+    static constexpr int TILE = kRows * LDS;          /* elements of the Q tile */
+    /* Keys per K/V tile of the tiled mma.sync kernel: the ViT's 256 keys in one tile at head dim 72 (one softmax, no
+     * rescale of O, its V streaming in behind its K), else 64. */
+    static constexpr int TILE_KEYS = HD == 72 ? 256 : kKeys;
+    static constexpr size_t SMEM = (size_t)(kRows + 2 * TILE_KEYS) * LDS * sizeof(uint16_t);
     /* key-split combine: fp32 partial O (row stride HD + 4 floats), then row max and row sum */
     static constexpr int OLD = HD + 4;
     static_assert((size_t)kRows * OLD * 4 + kRows * 8 <= SMEM, "partials must fit in the tiles' space");
@@ -213,26 +217,26 @@ __device__ __forceinline__ void rescale_running(float (&o)[NTO][4], float &l0, f
 }
 
 /*
- * One 64-key tile's step of the online softmax for a lane's two rows: the scores S (mma C layout) of keys key0 ..
- * key0 + 63 scaled into the log2 domain, -inf at keys before `lo` (a tile moved back to end at the last key, whose
+ * One key tile's step of the online softmax for a lane's two rows: the scores S (mma C layout) of keys key0 ..
+ * key0 + 8 N - 1 scaled into the log2 domain, -inf at keys before `lo` (a tile moved back to end at the last key, whose
  * first keys were seen before) or past each row's visible count, the running max m over the quad, O and l rescaled
  * to it (not on the block's first tile, where both are still 0), and S replaced by its probabilities, their sums
  * added to l.
  */
-template <int NTO>
-__device__ __forceinline__ void softmax_tile(float (&s)[kKeys / 8][4], float (&o)[NTO][4], float &m0, float &m1,
-                                             float &l0, float &l1, int key0, int lo, int vis0, int vis1, int quad_col,
+template <int N, int NTO>
+__device__ __forceinline__ void softmax_tile(float (&s)[N][4], float (&o)[NTO][4], float &m0, float &m1, float &l0,
+                                             float &l1, int key0, int lo, int vis0, int vis1, int quad_col,
                                              float scale_log2, bool first) {
 #pragma unroll
-    for (int n = 0; n < kKeys / 8; n++) {
+    for (int n = 0; n < N; n++) {
         s[n][0] *= scale_log2;
         s[n][1] *= scale_log2;
         s[n][2] *= scale_log2;
         s[n][3] *= scale_log2;
     }
-    if (lo > key0 || key0 + kKeys > vis0 || key0 + kKeys > vis1) {
+    if (lo > key0 || key0 + 8 * N > vis0 || key0 + 8 * N > vis1) {
 #pragma unroll
-        for (int n = 0; n < kKeys / 8; n++) {
+        for (int n = 0; n < N; n++) {
             const int key = key0 + n * 8 + quad_col * 2;
             if (key >= vis0 || key < lo) s[n][0] = -INFINITY;
             if (key + 1 >= vis0 || key + 1 < lo) s[n][1] = -INFINITY;
@@ -242,7 +246,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kKeys / 8][4], float (&o
     }
     float mx0 = m0, mx1 = m1;
 #pragma unroll
-    for (int n = 0; n < kKeys / 8; n++) {
+    for (int n = 0; n < N; n++) {
         mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
         mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
     }
@@ -257,6 +261,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kKeys / 8][4], float (&o
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 
 /* S = Q K^T over KEYS keys (a multiple of 16) for one warp's 16 rows: Q and K from shared memory
@@ -520,6 +525,7 @@ __device__ __forceinline__ void finish_block(const float (&o)[HD / 8][4], float 
 template <int HD, bool PADDED>
 __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
     using C = AttnConfig<HD>;
+    constexpr int KEYS = C::TILE_KEYS;
     const int hd = PADDED ? p.head_dim : HD, chunks = hd / 8; /* global columns and 16-byte chunks of a head */
     const attn_segment seg = p.segments[blockIdx.z];
     const int G = p.group, split = p.split;
@@ -531,7 +537,7 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
 
     uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem);
     uint16_t *sK = sQ + C::TILE;
-    uint16_t *sV = sK + C::TILE;
+    uint16_t *sV = sK + KEYS * C::LDS;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int kvh = blockIdx.y;
     const int num_k = seg.num_k;
@@ -540,7 +546,7 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
     /* Keys visible to this block's rows: only virtual rows r < G (token 0) can see fewer. */
     const int r_last = min(r_begin + kRows, rows_total) - 1;
     const int block_vis = r_last < G ? state_vis : num_k;
-    const int n_tiles = (block_vis + kKeys - 1) / kKeys;
+    const int n_tiles = (block_vis + KEYS - 1) / KEYS;
 
     const uint16_t *qbase = p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * hd;
     const uint16_t *kbase = p.k + (size_t)seg.k_row * p.ldkv + (size_t)kvh * hd;
@@ -548,21 +554,24 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
     const bool vec_q = p.vec_q != 0, vec_kv = p.vec_kv != 0;
 
     /* The pad columns [hd, HDP) of all three tiles (contiguous rows) are zeros. */
-    if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, 3 * kRows, chunks, tid, kThreads);
+    if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, kRows + 2 * KEYS, chunks, tid, kThreads);
 
     /* Q tile: virtual row r -> token r / G, head kvh * G + r % G; rows past the segment are zeros. */
     copy_q_rows<false>(sQ, C::LDS, qbase, p.ldq, hd, G, r_begin, kRows, rows_total, chunks, tid, kThreads, vec_q);
     cp_async_commit();
 
     auto load_kv = [&](uint16_t *dst, const uint16_t *base, int key0) {
-        for (int i = tid; i < kKeys * chunks; i += kThreads) {
+        for (int i = tid; i < KEYS * chunks; i += kThreads) {
             const int r = i / chunks, c = i % chunks, key = key0 + r;
             const bool valid = key < num_k;
             copy_chunk(dst + r * C::LDS + c * 8, base + (size_t)(valid ? key : 0) * p.ldkv + c * 8, valid, vec_kv);
         }
     };
-    /* This block's key tiles: rank, rank + split, ... (all of them without a split). */
-    if (rank < n_tiles) load_kv(sK, kbase, rank * kKeys);
+    /* This block's key tiles: rank, rank + split, ... (all of them without a split). The first tile's V streams in
+     * behind its K (a later tile's V follows the wait for its K: the buffer is free only then). */
+    if (rank < n_tiles) load_kv(sK, kbase, rank * KEYS);
+    cp_async_commit();
+    if (rank < n_tiles) load_kv(sV, vbase, rank * KEYS);
     cp_async_commit();
 
     /* Per-lane ldmatrix addresses (bytes, shared space). */
@@ -586,27 +595,30 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
     for (int j = rank; j < n_tiles; j += split) {
-        const int key0 = j * kKeys;
-        cp_async_wait_all(); /* K(j) (and Q) landed for this thread ... */
-        __syncthreads();     /* ... and for all; every warp is also done with V(j-1) */
-        load_kv(sV, vbase, key0);
-        cp_async_commit();
+        const int key0 = j * KEYS;
+        if (j == rank) cp_async_wait_one(); /* K(j) (and Q) landed for this thread ... */
+        else cp_async_wait_all();
+        __syncthreads(); /* ... and for all; every warp is also done with V(j-1) */
+        if (j != rank) {
+            load_kv(sV, vbase, key0);
+            cp_async_commit();
+        }
 
-        float s[8][4];
+        float s[KEYS / 8][4];
         if (warp_active) {
-            compute_scores<HD, kKeys>(s, q_addr, k_addr);
+            compute_scores<HD, KEYS>(s, q_addr, k_addr);
             softmax_tile(s, o, m0, m1, l0, l1, key0, key0, vis0, vis1, quad_col, p.scale_log2, j == rank);
         }
 
         cp_async_wait_all(); /* V(j) landed for this thread ... */
         __syncthreads();     /* ... and for all; every warp is also done with K(j) */
         if (j + split < n_tiles) {
-            load_kv(sK, kbase, key0 + split * kKeys);
+            load_kv(sK, kbase, key0 + split * KEYS);
             cp_async_commit();
         }
 
         if (warp_active) {
-            accumulate_pv<HD, kKeys>(o, s, v_addr);
+            accumulate_pv<HD, KEYS>(o, s, v_addr);
         }
     }
 
@@ -615,10 +627,11 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
                      sQ + warp * 16 * C::LDS, warp_active);
 }
 
-/* head_dim 72: 4 blocks per SM (<= 128 registers); 256: 2 blocks per SM (shared memory bound); the
- * padded 128: 2 (at 128 registers it would spill). */
+/* The padded head dim 64: 4 blocks per SM (<= 128 registers); 72 (256 keys a tile, whose scores alone take 128
+ * registers) and 256: 2 blocks per SM (shared memory bound); the padded 128: 2 (at 128 registers it would spill). */
 template <int HD, bool PADDED>
-__global__ void __launch_bounds__(kThreads, HD < 128 ? 4 : 2) attention_kernel(AttnParams p) {
+__global__ void __launch_bounds__(kThreads, HD < 128 && AttnConfig<HD>::TILE_KEYS == kKeys ? 4 : 2)
+    attention_kernel(AttnParams p) {
     attention_tiles<HD, PADDED>(p);
 }
 

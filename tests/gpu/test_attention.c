@@ -502,13 +502,15 @@ TEST(test_denoise_like) {
     }
     /* one sample (the seed workload's batch), where the few-queries partials split the rows into groups of 16-row
      * tiles, the last group partly past the rows. On a 132-SM GPU: 88 virtual rows (3 groups of 2 tiles), 56 (4 of
-     * one tile), 33 (3 of one tile, the last holding 1 row), and 2 kv heads of 64 rows (2 groups of 2 tiles each) */
-    static const int one[][4] = {{8, 1, 256, 11}, {8, 1, 256, 7}, {3, 1, 64, 11}, {8, 2, 256, 16}};
-    for (int oc = 0; oc < 4; oc++) {
-        attn_segment seg = {0, one[oc][3], 3, 532 + one[oc][3], 533};
+     * one tile), 33 (3 of one tile, the last holding 1 row), and 2 kv heads of 64 rows (2 groups of 2 tiles each).
+     * The last case's 2,100 keys make each block of those row groups walk 2-3 chunks (the running max rescaled). */
+    static const int one[][5] = {{8, 1, 256, 11, 532}, {8, 1, 256, 7, 532}, {3, 1, 64, 11, 532}, {8, 2, 256, 16, 532},
+                                 {8, 1, 256, 11, 2100}};
+    for (int oc = 0; oc < 5; oc++) {
+        attn_segment seg = {0, one[oc][3], 3, one[oc][4] + one[oc][3], one[oc][4] + 1};
         char name[64];
-        snprintf(name, sizeof name, "denoise, one sample, %d/%d x %d, %d tokens", one[oc][0], one[oc][1], one[oc][2],
-                 one[oc][3]);
+        snprintf(name, sizeof name, "denoise, one sample, %d/%d x %d, %d tokens, %d keys", one[oc][0], one[oc][1],
+                 one[oc][2], one[oc][3], one[oc][4] + one[oc][3]);
         attn_case c = base_case(name, one[oc][0], one[oc][1], one[oc][2]);
         c.q_amp = 2.0f;
         c.v_shift = 10.0f;
