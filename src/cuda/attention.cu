@@ -393,7 +393,7 @@ __device__ __forceinline__ void combine_split(const float (&o)[HD / 8][4], float
     __syncthreads();     /* ... for any thread of the block (racecheck wants this CTA barrier too) */
     cluster.sync();      /* every block of the cluster is done with its tiles */
 #pragma unroll
-    for (int half = 0; half < 2; half++) {
+    for (int half = 0; half < 2 && warp < kRows / 16; half++) { /* the warps that hold rows (a second warpgroup not) */
         const int row = warp * 16 + quad_row + half * 8, owner = row / R, slot = rank * R + row % R;
         float *dst = cluster.map_shared_rank(sO + slot * C::OLD, owner);
 #pragma unroll
@@ -405,7 +405,7 @@ __device__ __forceinline__ void combine_split(const float (&o)[HD / 8][4], float
     }
     cluster.sync(); /* every partial delivered */
 
-    for (int rr = warp; rr < R; rr += kThreads / 32) {
+    for (int rr = warp; rr < R; rr += (int)blockDim.x / 32) { /* every warp of the block */
         const int vr = r_begin + rank * R + rr;
         if (vr >= rows_total) continue; /* warp-uniform */
         float w[kMaxSplit];
@@ -646,24 +646,43 @@ __global__ void __launch_bounds__(kThreads, HD < 128 && AttnConfig<HD>::TILE_KEY
  * by every thread, into the same 128-byte-swizzled layout the copies write. A last tile that would run past the
  * segment's keys is moved back to end at its last key, its first keys (seen before) masked, so that no copy reads
  * past the keys it was given (in a segment of under 64 keys the rows before it are masked, and their V zeroed).
- * The ring takes 226 KB of shared memory: one block an SM.
- * Where the device code is not sm_90a's (a build without it on an H100), the block runs attention_tiles instead.
+ *
+ * Two consumer warpgroups share the block's Q tile and ring and take its key tiles in turn (warpgroup w the tiles
+ * w, w + 2, ...), each with its own running softmax, so that a block's chain of tiles (a tile is a serial chain of
+ * products, softmax and rescale that one warpgroup an SM leaves mostly idle: session 12) is half as long and two
+ * chains interleave on the SM. Slot s of the ring holds tiles s, s + 3, ...: consecutive tiles of a slot belong to
+ * different warpgroups, so the consumer of tile i, once done with it, issues tile i + 3 and arrives on named barrier
+ * 1 + s, where the consumer of tile i + 3 syncs before waiting on the slot's mbarrier (so that it never waits on a
+ * phase before the one it needs has begun). At the end warpgroup 1's O, maxima and sums go through shared memory to
+ * warpgroup 0, which merges them and finishes the block (the split's merge, where there is one, takes every warp).
+ * The ring takes 226 KB of shared memory: one block an SM. The host takes this kernel only in builds with sm_90a code
+ * (PI0_SM90A_BUILD); elsewhere it runs attention_kernel.
  */
 constexpr int kStages = 3;
+constexpr int kWgThreads = 2 * kThreads; /* two consumer warpgroups */
 
 template <int HD>
 struct WgConfig { /* Q and the ring's K and V tiles (64 unpadded rows each), 1 KB of alignment slack, the barriers */
     static constexpr size_t SMEM = (size_t)(1 + 2 * kStages) * kRows * HD * sizeof(uint16_t) + 1024 + 8 * kStages;
-    static_assert(SMEM >= AttnConfig<HD>::SMEM, "attention_tiles (the fallback) must fit as well");
 };
 
+/* Named barriers (bar 0 is __syncthreads'): a sync waits until `threads` have arrived or synced; an arrive does not
+ * wait. */
+[[maybe_unused]] __device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 template <int HD>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kWgThreads, 1)
     attention_wg_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap k_map,
                         const __grid_constant__ CUtensorMap v_map) {
 #if PI0_WGMMA
     using C = AttnConfig<HD>;
     static_assert(HD % 64 == 0 && C::HDP == HD, "m64n64 output blocks, no padded columns");
+    static_assert(kStages % 2 == 1, "a slot's consecutive tiles belong to different warpgroups");
     constexpr int chunks = HD / 8;
     constexpr uint32_t kTileBytes = kRows * HD * 2;
     const attn_segment seg = p.segments[blockIdx.z];
@@ -673,6 +692,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (seg.num_q <= 0 || seg.num_k <= 0 || r_begin >= rows_total) return; /* uniform per cluster */
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = tid / kThreads, wtid = tid % kThreads, wwarp = warp % 4; /* warpgroup; its thread and warp */
     const int kvh = blockIdx.y, num_k = seg.num_k;
     const int state_vis = seg.state_keys > 0 ? min(seg.state_keys, num_k) : num_k;
     const int r_last = min(r_begin + kRows, rows_total) - 1;
@@ -688,7 +708,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_init_fence();
     }
     copy_q_rows<true>(sQ, kRows * 64, p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * HD, p.ldq, HD, G, r_begin,
-                      kRows, rows_total, chunks, tid, kThreads, p.vec_q != 0);
+                      kRows, rows_total, chunks, tid, kWgThreads, p.vec_q != 0);
     cp_async_commit();
     __syncthreads(); /* the barriers are initialized before a copy signals one or a thread waits on one */
 
@@ -698,7 +718,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int key0 = (rank + i * split) * kKeys;
         return key0 + kKeys > num_k ? num_k - kKeys : key0;
     };
-    auto load_tile = [&](int i) { /* thread 0: 2 x HD / 64 boxes of 64 keys x 64 dims, one barrier */
+    auto load_tile = [&](int i) { /* one thread: 2 x HD / 64 boxes of 64 keys x 64 dims, one barrier */
         const uint32_t dk = ring + (i % kStages) * 2 * kTileBytes, bar = bars + 8 * (i % kStages);
         const int y = seg.k_row + tile_key0(i);
         mbar_expect_bytes(bar, 2 * kTileBytes);
@@ -710,10 +730,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     if (tid == 0)
         for (int i = 0; i < kStages && i < my_tiles; i++) load_tile(i);
+    cp_async_wait_all(); /* this thread's Q copies landed, */
+    fence_proxy_async(); /* visible to the products, */
+    __syncthreads();     /* and every thread's */
 
     const uint64_t q_desc = wg_desc(q_tile, 16, 1024);
     const int quad_row = lane >> 2, quad_col = lane & 3;
-    const int vr0 = r_begin + warp * 16 + quad_row, vr1 = vr0 + 8;
+    const int vr0 = r_begin + wwarp * 16 + quad_row, vr1 = vr0 + 8;
     const int vis0 = vr0 < G ? state_vis : num_k, vis1 = vr1 < G ? state_vis : num_k;
 
     float o[C::NTO][4];
@@ -721,36 +744,67 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = 0; t < C::NTO; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-    for (int i = 0; i < my_tiles; i++) {
-        const uint32_t slot = ring + (i % kStages) * 2 * kTileBytes;
-        mbar_wait(bars + 8 * (i % kStages), (i / kStages) & 1); /* the slot's copies landed */
+    for (int i = wg; i < my_tiles; i += 2) {
+        const int s_i = i % kStages;
+        const uint32_t slot = ring + s_i * 2 * kTileBytes;
+        if (i >= kStages) named_sync(1 + s_i, kWgThreads); /* the other warpgroup is done with tile i - 3, issued i */
+        mbar_wait(bars + 8 * s_i, (i / kStages) & 1);       /* the slot's copies landed */
         const int key0 = tile_key0(i);
-        if (key0 < 0) { /* block-uniform: a segment of under 64 keys; rows before it may hold anything, even NaN */
+        if (key0 < 0) { /* a segment of under 64 keys (one tile, warpgroup 0's); rows before it may hold anything */
             uint16_t *v_tile = reinterpret_cast<uint16_t *>(attn_smem + (slot + kTileBytes - raw));
-            for (int e = tid; e < -key0 * chunks; e += kThreads) /* their V rows weigh 0, and 0 x NaN is NaN */
+            for (int e = wtid; e < -key0 * chunks; e += kThreads) /* their V rows weigh 0, and 0 x NaN is NaN */
                 *reinterpret_cast<uint4 *>(v_tile + tile_at<true>(e / chunks, e % chunks, kRows * 64)) = make_uint4(0, 0, 0, 0);
-        }
-        if (i == 0 || key0 < 0) {
-            cp_async_wait_all(); /* this thread's Q copies (and zeros) landed, */
-            fence_proxy_async(); /* visible to the products, */
-            __syncthreads();     /* and every thread's */
+            fence_proxy_async();           /* the zeros visible to the products, */
+            named_sync(4 + wg, kThreads);  /* the warpgroup's */
         }
         /* every warp runs the products (rows past the segment are zeros), so no warp-uniform skip here */
         float s[kKeys / 8][4];
         wg_scores<HD>(s, q_desc, wg_desc(slot, 16, 1024));
-        softmax_tile(s, o, m0, m1, l0, l1, key0, (rank + i * split) * kKeys, vis0, vis1, quad_col, p.scale_log2, i == 0);
+        softmax_tile(s, o, m0, m1, l0, l1, key0, (rank + i * split) * kKeys, vis0, vis1, quad_col, p.scale_log2, i == wg);
         wg_accumulate_pv<HD>(o, s, wg_desc(slot + kTileBytes, kBlockBytes, 1024));
-        __syncthreads(); /* every warp is done with the slot */
-        if (tid == 0 && i + kStages < my_tiles) load_tile(i + kStages);
+        if (i + kStages < my_tiles) {
+            named_sync(4 + wg, kThreads); /* every warp of the warpgroup is done with the slot */
+            if (wtid == 0) load_tile(i + kStages);
+            named_arrive(1 + s_i, kWgThreads);
+        }
     }
 
-    /* the loop ended on a block barrier: every product is done, and the staging may span other warps' Q rows */
+    /* Warpgroup 1's partial results into warpgroup 0's, through the ring's second slot (past what finish_block
+     * stages, from sQ on, and what a split's merge receives, from the start of shared memory). A thread's fragments
+     * are the same rows and columns in both warpgroups. */
+    float4 *part = reinterpret_cast<float4 *>(attn_smem + (ring + 2 * kTileBytes - raw));
+    __syncthreads(); /* every product is done with every slot */
+    if (wg == 1) {
+#pragma unroll
+        for (int t = 0; t < C::NTO; t++) part[t * kThreads + wtid] = make_float4(o[t][0], o[t][1], o[t][2], o[t][3]);
+        part[C::NTO * kThreads + wtid] = make_float4(m0, m1, l0, l1);
+    }
+    __syncthreads();
+    if (wg == 0) {
+        const float4 ml = part[C::NTO * kThreads + wtid];
+        const float M0 = fmaxf(m0, ml.x), M1 = fmaxf(m1, ml.y);
+        /* a row that neither warpgroup saw a key of keeps -inf maxima and zero sums: factors exp2(-inf) = 0 */
+        const float base0 = M0 == -INFINITY ? 0.f : M0, base1 = M1 == -INFINITY ? 0.f : M1;
+        const float a0 = exp2f(m0 - base0), b0 = exp2f(ml.x - base0), a1 = exp2f(m1 - base1), b1 = exp2f(ml.y - base1);
+#pragma unroll
+        for (int t = 0; t < C::NTO; t++) {
+            const float4 x = part[t * kThreads + wtid];
+            o[t][0] = o[t][0] * a0 + x.x * b0;
+            o[t][1] = o[t][1] * a0 + x.y * b0;
+            o[t][2] = o[t][2] * a1 + x.z * b1;
+            o[t][3] = o[t][3] * a1 + x.w * b1;
+        }
+        l0 = l0 * a0 + ml.z * b0, l1 = l1 * a1 + ml.w * b1;
+        m0 = M0, m1 = M1;
+    }
+
+    /* every warp of the block calls it (a split's merge has block and cluster barriers); warpgroup 0's hold the rows */
     finish_block<HD>(o, m0, m1, l0, l1, warp, lane, rank, split, r_begin, rows_total, G, HD, chunks,
                      p.out + (size_t)seg.q_row * p.ldo + (size_t)kvh * G * HD, p.ldo, p.vec_o != 0,
-                     sQ + warp * 16 * C::LDS, true);
+                     sQ + wwarp * 16 * C::LDS, wg == 0);
 #else
-    (void)k_map, (void)v_map;
-    attention_tiles<HD, false>(p);
+    (void)p, (void)k_map, (void)v_map;
+    __trap(); /* the host launches this kernel only where it is built for sm_90a */
 #endif
 }
 
@@ -759,6 +813,11 @@ template <int HD, bool PADDED, bool WG>
 const void *tiled_kernel() {
     if constexpr (WG) return reinterpret_cast<const void *>(attention_wg_kernel<HD>);
     else return reinterpret_cast<const void *>(attention_kernel<HD, PADDED>);
+}
+
+template <bool WG>
+constexpr int tiled_threads() {
+    return WG ? kWgThreads : kThreads;
 }
 
 template <int HD, bool WG>
@@ -804,7 +863,7 @@ cudaLaunchConfig_t cluster_config(dim3 grid, int split, cudaStream_t stream, cud
     attr->val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.blockDim = dim3(tiled_threads<WG>(), 1, 1);
     cfg.dynamicSmemBytes = tiled_smem<HD, WG>();
     cfg.stream = stream;
     cfg.attrs = attr;
@@ -841,7 +900,7 @@ cudaError_t configure(DeviceInfo *out) {
                                   (int)cudaSharedmemCarveoutMaxShared)) != cudaSuccess ||
         (e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess ||
         (e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.blocks_per_sm, tiled_kernel<HD, PADDED, WG>(), kThreads,
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.blocks_per_sm, tiled_kernel<HD, PADDED, WG>(), tiled_threads<WG>(),
                                                            tiled_smem<HD, WG>())) != cudaSuccess)
         return e;
     if (d.blocks_per_sm < 1) d.blocks_per_sm = 1;
@@ -883,8 +942,10 @@ cudaError_t configure(DeviceInfo *out) {
  * for its 27 layers unsplit against 2.14 with the split of 4 this rule used to pick. The host does not
  * know num_k (it lives in device memory), so the rule uses the head dim as the hint: Gemma (256)
  * attends over hundreds of keys and splits when the grid is under half a wave (doubling while the grid
- * still fits in one wave); smaller head dims (the ViT's 256 keys, the test models) never split. */
-int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim) {
+ * still fits in one wave); smaller head dims (the ViT's 256 keys, the test models) never split. A block of the
+ * Hopper kernel (`consumers` 2) walks two tiles at a time, so its split is half that: at H = 50 (7 row tiles, ~10
+ * key tiles) 16 took 12.5 us, 8 11.5, 4 12.3 (the one-warpgroup kernel: 11.8 at 16). */
+int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim, int consumers) {
     static int env_cap = -1; /* PI0_ATTN_SPLIT=n: the automatic choice goes no higher than n (A/B runs) */
     if (env_cap < 0) {
         const char *env = getenv("PI0_ATTN_SPLIT");
@@ -898,7 +959,7 @@ int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim) {
     const long long capacity = (long long)d.sms * d.blocks_per_sm;
     if (head_dim < 256 || base_blocks * 2 > capacity) return 1;
     while (split * 2 <= d.max_split && split * 2 <= env_cap && base_blocks * split * 2 <= capacity) split *= 2;
-    return split;
+    return split > 1 ? split / consumers : split;
 }
 
 template <int HD, bool PADDED, bool WG>
@@ -908,7 +969,8 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
     if (e != cudaSuccess) return e;
     const int kMaxZ = 65535;
     const int split =
-        choose_split(d, (long long)row_tiles * num_kv_heads * (num_segments < kMaxZ ? num_segments : kMaxZ), HD);
+        choose_split(d, (long long)row_tiles * num_kv_heads * (num_segments < kMaxZ ? num_segments : kMaxZ), HD,
+                     tiled_threads<WG>() / kThreads);
     if ((long long)row_tiles * split > 0x7fffffffLL) return cudaErrorInvalidValue;
     CUtensorMap k_map, v_map; /* the wgmma kernel's tensor copies of K and V */
     if constexpr (WG)
@@ -933,9 +995,12 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
 bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
 
 /* Whether head dim 256 takes the wgmma kernel on the current device: one of compute capability 9.0 (sm_90a's code),
- * unless PI0_ATTN_WGMMA=0 (A/B runs). Without sm_90a code in the build that kernel runs attention_tiles. Decided per
+ * in a build with sm_90a code (PI0_SM90A_BUILD, set by the Makefile), unless PI0_ATTN_WGMMA=0 (A/B runs). Decided per
  * device, as configure's limits are: a process may drive GPUs of different kinds. */
 bool use_wgmma(void) {
+#ifndef PI0_SM90A_BUILD
+    return false;
+#endif
     static int decided[kMaxDevices]; /* 0: not yet, 1: no, 2: yes */
     int dev = 0, major = 0, minor = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) {
