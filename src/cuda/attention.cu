@@ -7,10 +7,10 @@
  * a block of 64 rows covers 8 tokens x 8 heads, and an 11-token denoise segment needs only two blocks
  * per sample instead of one mostly-empty block per head. A block is 4 warps, 64 virtual rows (16 per
  * warp, one m16 tile each); grid = (row tiles of the largest segment, kv heads, segments), blocks past
- * their segment's rows return at once. Keys go by in tiles of 64 (256 at head dim 72: the ViT's keys in one
- * tile, so one softmax and one wait for its loads instead of a chain of four tiles): K and V are copied to shared
- * memory with 16-byte cp.async (zero-filled past num_k, so no key outside the segment is ever read), and the
- * copies overlap the math: V(j) streams in while S = Q K(j)^T is computed, K(j+1) while O += P V(j)
+ * their segment's rows return at once. Keys go by in tiles of 64 (256 at head dim 72 when the grid fits in one wave:
+ * the ViT's keys in one tile, one softmax and one wait for its loads instead of a chain of four tiles, launch_vit):
+ * K and V are copied to shared memory with 16-byte cp.async (zero-filled past num_k, so no key outside the segment is
+ * ever read), and the copies overlap the math: V(j) streams in while S = Q K(j)^T is computed, K(j+1) while O += P V(j)
  * is. S and O use mma.sync m16n8k16 (bf16 in, fp32 accumulate) fed by ldmatrix (V through .trans).
  * The online softmax runs in fp32 in registers, in the log2 domain (exp2 of logits pre-scaled by
  * scale * log2 e); the row max is shared by the 4 lanes of a quad, the row sum stays per lane until the
@@ -90,10 +90,7 @@ struct AttnConfig {
     static constexpr int KCH = HDP / 16;              /* k16 steps of Q K^T */
     static constexpr int NTO = HD / 8;                /* n8 output tiles of P V */
     static constexpr int TILE = kRows * LDS;          /* elements of the Q tile */
-    /* Keys per K/V tile of the tiled mma.sync kernel: the ViT's 256 keys in one tile at head dim 72 (one softmax, no
-     * rescale of O, its V streaming in behind its K), else 64. */
-    static constexpr int TILE_KEYS = HD == 72 ? 256 : kKeys;
-    static constexpr size_t SMEM = (size_t)(kRows + 2 * TILE_KEYS) * LDS * sizeof(uint16_t);
+    static constexpr size_t SMEM = 3 * (size_t)TILE * sizeof(uint16_t); /* Q, K and V tiles of 64 rows */
     /* key-split combine: fp32 partial O (row stride HD + 4 floats), then row max and row sum */
     static constexpr int OLD = HD + 4;
     static_assert((size_t)kRows * OLD * 4 + kRows * 8 <= SMEM, "partials must fit in the tiles' space");
@@ -322,6 +319,12 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[HD / 8][4], const float
     }
 }
 
+/* Shared memory of the mma.sync tiled kernel with K and V tiles of KEYS keys (and a Q tile of kRows rows). */
+template <int HD, int KEYS>
+constexpr size_t tiles_smem() {
+    return (size_t)(kRows + 2 * KEYS) * AttnConfig<HD>::LDS * sizeof(uint16_t);
+}
+
 /* Bytes of one 64-column block of a 64-row swizzled tile (tile_at, SWIZZLED). */
 [[maybe_unused]] constexpr int kBlockBytes = kRows * 128;
 
@@ -520,12 +523,11 @@ __device__ __forceinline__ void finish_block(const float (&o)[HD / 8][4], float 
     store_rows<HD>(o, l0, l1, so, warp, lane, r_begin, rows_total, G, hd, chunks, obase, ldo, vec_o);
 }
 
-/* The tiled kernel's work for its block (the design note above). PADDED: the call's head dim is p.head_dim <= HD (see
- * kernel_head_dim). */
-template <int HD, bool PADDED>
+/* The tiled kernel's work for its block (the design note above), with K/V tiles of KEYS keys. PADDED: the call's head
+ * dim is p.head_dim <= HD (see kernel_head_dim). */
+template <int HD, bool PADDED, int KEYS>
 __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
     using C = AttnConfig<HD>;
-    constexpr int KEYS = C::TILE_KEYS;
     const int hd = PADDED ? p.head_dim : HD, chunks = hd / 8; /* global columns and 16-byte chunks of a head */
     const attn_segment seg = p.segments[blockIdx.z];
     const int G = p.group, split = p.split;
@@ -627,12 +629,12 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
                      sQ + warp * 16 * C::LDS, warp_active);
 }
 
-/* The padded head dim 64: 4 blocks per SM (<= 128 registers); 72 (256 keys a tile, whose scores alone take 128
- * registers) and 256: 2 blocks per SM (shared memory bound); the padded 128: 2 (at 128 registers it would spill). */
-template <int HD, bool PADDED>
-__global__ void __launch_bounds__(kThreads, HD < 128 && AttnConfig<HD>::TILE_KEYS == kKeys ? 4 : 2)
-    attention_kernel(AttnParams p) {
-    attention_tiles<HD, PADDED>(p);
+/* Head dim 72 and the padded 64 in 64-key tiles: 4 blocks per SM (<= 128 registers); 72 in 256-key tiles (whose
+ * scores alone take 128 registers) and 256: 2 blocks per SM (shared memory bound); the padded 128: 2 (at 128
+ * registers it would spill). */
+template <int HD, bool PADDED, int KEYS>
+__global__ void __launch_bounds__(kThreads, HD < 128 && KEYS == kKeys ? 4 : 2) attention_kernel(AttnParams p) {
+    attention_tiles<HD, PADDED, KEYS>(p);
 }
 
 /*
@@ -808,11 +810,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #endif
 }
 
-/* The kernel that runs a launch<HD, PADDED, WG>, and its shared memory. */
-template <int HD, bool PADDED, bool WG>
+/* The kernel that runs a launch<HD, PADDED, WG, KEYS>, its threads and its shared memory. */
+template <int HD, bool PADDED, bool WG, int KEYS>
 const void *tiled_kernel() {
     if constexpr (WG) return reinterpret_cast<const void *>(attention_wg_kernel<HD>);
-    else return reinterpret_cast<const void *>(attention_kernel<HD, PADDED>);
+    else return reinterpret_cast<const void *>(attention_kernel<HD, PADDED, KEYS>);
 }
 
 template <bool WG>
@@ -820,10 +822,10 @@ constexpr int tiled_threads() {
     return WG ? kWgThreads : kThreads;
 }
 
-template <int HD, bool WG>
+template <int HD, bool WG, int KEYS>
 constexpr size_t tiled_smem() {
     if constexpr (WG) return WgConfig<HD>::SMEM;
-    else return AttnConfig<HD>::SMEM;
+    else return tiles_smem<HD, KEYS>();
 }
 
 /*
@@ -855,7 +857,7 @@ bool kv_tensor_map(CUtensorMap *map, const void *base, int ldkv) {
 }
 
 /* A launch of `grid` as clusters of `split` blocks along x (the key split); `attr` must outlive the config. */
-template <int HD, bool WG>
+template <int HD, bool WG, int KEYS>
 cudaLaunchConfig_t cluster_config(dim3 grid, int split, cudaStream_t stream, cudaLaunchAttribute *attr) {
     attr->id = cudaLaunchAttributeClusterDimension;
     attr->val.clusterDim.x = (unsigned)split;
@@ -864,7 +866,7 @@ cudaLaunchConfig_t cluster_config(dim3 grid, int split, cudaStream_t stream, cud
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(tiled_threads<WG>(), 1, 1);
-    cfg.dynamicSmemBytes = tiled_smem<HD, WG>();
+    cfg.dynamicSmemBytes = tiled_smem<HD, WG, KEYS>();
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
@@ -881,7 +883,7 @@ struct DeviceInfo {
 
 int g_split_override; /* pi0_cuda_attention_set_split */
 
-template <int HD, bool PADDED, bool WG>
+template <int HD, bool PADDED, bool WG, int KEYS>
 cudaError_t configure(DeviceInfo *out) {
     static DeviceInfo info[kMaxDevices];
     int dev = 0;
@@ -894,26 +896,26 @@ cudaError_t configure(DeviceInfo *out) {
     }
     DeviceInfo d = {1, 1, 1, 1};
     int major = 0;
-    if ((e = cudaFuncSetAttribute(tiled_kernel<HD, PADDED, WG>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)tiled_smem<HD, WG>())) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(tiled_kernel<HD, PADDED, WG>(), cudaFuncAttributePreferredSharedMemoryCarveout,
+    if ((e = cudaFuncSetAttribute(tiled_kernel<HD, PADDED, WG, KEYS>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)tiled_smem<HD, WG, KEYS>())) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(tiled_kernel<HD, PADDED, WG, KEYS>(), cudaFuncAttributePreferredSharedMemoryCarveout,
                                   (int)cudaSharedmemCarveoutMaxShared)) != cudaSuccess ||
         (e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess ||
         (e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.blocks_per_sm, tiled_kernel<HD, PADDED, WG>(), tiled_threads<WG>(),
-                                                           tiled_smem<HD, WG>())) != cudaSuccess)
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&d.blocks_per_sm, tiled_kernel<HD, PADDED, WG, KEYS>(), tiled_threads<WG>(),
+                                                           tiled_smem<HD, WG, KEYS>())) != cudaSuccess)
         return e;
     if (d.blocks_per_sm < 1) d.blocks_per_sm = 1;
     if (major >= 9) {
         /* clusters of 16 are "non-portable": allowed on H100/H200 once asked for; the occupancy query below
          * says whether the device can actually run them (else the next size down) */
-        if (cudaFuncSetAttribute(tiled_kernel<HD, PADDED, WG>(), cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+        if (cudaFuncSetAttribute(tiled_kernel<HD, PADDED, WG, KEYS>(), cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
             (void)cudaGetLastError();
         for (int split = kMaxSplit; split > 1; split /= 2) {
             cudaLaunchAttribute attr;
-            cudaLaunchConfig_t cfg = cluster_config<HD, WG>(dim3((unsigned)split, 1, 1), split, 0, &attr);
+            cudaLaunchConfig_t cfg = cluster_config<HD, WG, KEYS>(dim3((unsigned)split, 1, 1), split, 0, &attr);
             int clusters = 0;
-            e = cudaOccupancyMaxActiveClusters(&clusters, tiled_kernel<HD, PADDED, WG>(), &cfg);
+            e = cudaOccupancyMaxActiveClusters(&clusters, tiled_kernel<HD, PADDED, WG, KEYS>(), &cfg);
             if (e != cudaSuccess) {
                 (void)cudaGetLastError(); /* not fatal: no split */
                 continue;
@@ -962,10 +964,10 @@ int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim, int c
     return split > 1 ? split / consumers : split;
 }
 
-template <int HD, bool PADDED, bool WG>
+template <int HD, bool PADDED, bool WG, int KEYS = kKeys>
 cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int num_kv_heads, cudaStream_t stream) {
     DeviceInfo d;
-    cudaError_t e = configure<HD, PADDED, WG>(&d);
+    cudaError_t e = configure<HD, PADDED, WG, KEYS>(&d);
     if (e != cudaSuccess) return e;
     const int kMaxZ = 65535;
     const int split =
@@ -983,13 +985,25 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
         const int n = num_segments - first < kMaxZ ? num_segments - first : kMaxZ;
         dim3 grid((unsigned)(row_tiles * split), (unsigned)num_kv_heads, (unsigned)n);
         cudaLaunchAttribute attr;
-        cudaLaunchConfig_t cfg = cluster_config<HD, WG>(grid, split, stream, &attr);
+        cudaLaunchConfig_t cfg = cluster_config<HD, WG, KEYS>(grid, split, stream, &attr);
         if (split == 1) cfg.numAttrs = 0; /* a plain launch */
         if constexpr (WG) e = cudaLaunchKernelEx(&cfg, attention_wg_kernel<HD>, p, k_map, v_map);
-        else e = cudaLaunchKernelEx(&cfg, attention_kernel<HD, PADDED>, p);
+        else e = cudaLaunchKernelEx(&cfg, attention_kernel<HD, PADDED, KEYS>, p);
         if (e != cudaSuccess) return e;
     }
     return cudaSuccess;
+}
+
+/* Head dim 72 (the ViT): the 256-key tile while the grid fits the GPU in one wave (two blocks an SM: 1-4 images,
+ * where a block's chain of tiles is the time; 9.8 -> 8.2 us a layer at 2), the 64-key tiles beyond (batches, where
+ * four blocks an SM keep more warps busy: the 256-key tile took vision +2-4% at 8-128 images). */
+cudaError_t launch_vit(const AttnParams &p, int num_segments, int row_tiles, int num_kv_heads, cudaStream_t stream) {
+    DeviceInfo d;
+    const cudaError_t e = configure<72, false, false, 256>(&d);
+    if (e != cudaSuccess) return e;
+    if ((long long)row_tiles * num_kv_heads * num_segments <= (long long)d.sms * d.blocks_per_sm)
+        return launch<72, false, false, 256>(p, num_segments, row_tiles, num_kv_heads, stream);
+    return launch<72, false, false>(p, num_segments, row_tiles, num_kv_heads, stream);
 }
 
 bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
@@ -1316,7 +1330,7 @@ extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_b
     }
     switch (kernel_head_dim(head_dim)) {
     case 64: return launch<64, true, false>(p, num_segments, row_tiles, num_kv_heads, stream);
-    case 72: return launch<72, false, false>(p, num_segments, row_tiles, num_kv_heads, stream);
+    case 72: return launch_vit(p, num_segments, row_tiles, num_kv_heads, stream);
     case 128: return launch<128, true, false>(p, num_segments, row_tiles, num_kv_heads, stream);
     default:
         if (head_dim != 256) return launch<256, true, false>(p, num_segments, row_tiles, num_kv_heads, stream);
