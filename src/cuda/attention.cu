@@ -37,8 +37,8 @@
  * the output is 9 n8 tiles. Shared-memory rows are padded by 16 bytes, which makes every ldmatrix and
  * the staging stores free of bank conflicts. Shared memory per block: Q + K + V tiles of 64 rows =
  * 3 * 64 * (256 + 8) * 2 = 99 KB for 256 (two blocks per SM on Hopper; exactly the 99 KB opt-in limit
- * of sm_86/sm_89), and for 72 a Q tile of 64 rows with K and V tiles of 256: (64 + 2 * 256) * 88 * 2 = 99 KB
- * as well. For 256 the Q fragments are re-read from shared memory per tile (keeping them would cost 64 more
+ * of sm_86/sm_89); for 72, 33 KB, or with K and V tiles of 256 keys (64 + 2 * 256) * 88 * 2 = 99 KB as
+ * well. For 256 the Q fragments are re-read from shared memory per tile (keeping them would cost 64 more
  * registers on top of the 128 of the O accumulator and spill).
  *
  * Other head dims (any multiple of 8 up to 256: models the CPU runs, test models) run padded: an
@@ -89,7 +89,7 @@ struct AttnConfig {
     static constexpr int LDS = HDP + 8;               /* smem row stride (elements): +16 bytes vs bank conflicts */
     static constexpr int KCH = HDP / 16;              /* k16 steps of Q K^T */
     static constexpr int NTO = HD / 8;                /* n8 output tiles of P V */
-    static constexpr int TILE = kRows * LDS;          /* elements of the Q tile */
+    static constexpr int TILE = kRows * LDS;          /* elements of a 64-row tile (Q; K or V of 64 keys) */
     static constexpr size_t SMEM = 3 * (size_t)TILE * sizeof(uint16_t); /* Q, K and V tiles of 64 rows */
     /* key-split combine: fp32 partial O (row stride HD + 4 floats), then row max and row sum */
     static constexpr int OLD = HD + 4;
