@@ -62,7 +62,8 @@ static int skinny_fits(const cuda_state *s, const pi0_stack_dims *d, int rows) {
     return s->use_skinny && rows <= SKINNY_MAX_ROWS && pi0_cuda_skinny_block_supported(d->width, d->mlp_dim, d->head_dim);
 }
 
-/* The expert's block over a few rows (a batch-1 denoise step): 4 skinny Linears (skinny.h) with the
+/* The expert's block over a few rows (a denoise step of up to SKINNY_MAX_ROWS: one sample up to horizon 31, or two
+ * at horizon 10-15): 4 skinny Linears (skinny.h) with the
  * norms (Pi0: folded at load; Pi0.5: scale and shift applied inside), RoPE and the K/V cache writes, and
  * gelu x up inside them, the (gated) residual adds in their epilogues, which also keep x_bf16 current for
  * the next Linear. 5 launches (6 with the attention's merge) instead of gemma_block's 10. */

@@ -8,14 +8,14 @@
  * separate reduction here, and the norms and the GELU were kernels of their own: 8 launches per
  * expert layer, 4 with these kernels.
  *
- * Design. A block owns 8 * NT output columns of a 16-row tile, and all of k: its warps split k
+ * Design. A block owns 8 * NT output columns of R 16-row tiles (R = 1, or 2 past 16 rows), and all of k: its warps split k
  * between them, each walking chunks of 32 k with mma.sync m16n8k16 (bf16 in, float32 accumulate).
  * Each lane loads 16 bytes (8 consecutive k) of its weight row and of its two x rows per chunk and
  * n8 tile; the k order inside a chunk is permuted identically for x and w (lane t's physical
  * k 8t..8t+3 feed the first mma's k slots 2t, 2t+1, 2t+8, 2t+9, and 8t+4..8t+7 the second's), so one
  * 16-byte load feeds two mma instructions with no shuffles and no shared memory. A pass issues the
- * loads of C chunks at once (C * (NT + 2) 16-byte loads per lane, all in flight together), then
- * multiplies; k up to warps * C * 32 is one pass, which covers every Pi0 shape. The warps' partial
+ * loads of C chunks at once (C * (NT + 2 R) 16-byte loads per lane, all in flight together), then
+ * multiplies, each weight fragment into all R tiles; k up to warps * C * 32 is one pass, which covers every Pi0 shape. The warps' partial
  * tiles (and, with rms_norm, their partial sums of squares of x) meet in shared memory and are added
  * in warp order, so the result does not depend on timing. The epilogue then scales, applies
  * GELU x up or the residual add, and stores.
@@ -102,32 +102,34 @@ __device__ __forceinline__ void store_rope(const SkinnyParams &p, int m, int hea
 }
 
 /* The RMSNorm factor of block row `row` from the warps' partial sums of squares (1 without the norm). */
-__device__ __forceinline__ float row_scale(const SkinnyParams &p, const float *ss, int warps, int row) {
+template <int ROWS>
+__device__ __forceinline__ float row_scale(const SkinnyParams &p, const float *sums, int warps, int row) {
     if (!p.rms_norm) return 1.f;
     float s = 0.f;
-    for (int w = 0; w < warps; w++) s += ss[w * 16 + row];
+    for (int w = 0; w < warps; w++) s += sums[w * ROWS + row];
     return rsqrtf(s / (float)p.k + p.eps);
 }
 
 /* Block row `row`, column `col` of the product: the warps' partials added in warp order. */
-template <int NC>
+template <int NC, int ROWS>
 __device__ __forceinline__ float column_total(const float *part, int warps, int row, int col) {
     float v = 0.f;
-    for (int w = 0; w < warps; w++) v += part[(w * 16 + row) * NC + col];
+    for (int w = 0; w < warps; w++) v += part[(w * ROWS + row) * NC + col];
     return v;
 }
 
 /* SCALE: Pi0.5's adaptive scale of x (in_scale) is in use. A template argument, so that the other kernels
- * carry neither its registers nor its branch in the main loop (col_bias and gate are epilogue-only checks). */
-template <int NT, int C, bool SCALE>
+ * carry neither its registers nor its branch in the main loop (col_bias and gate are epilogue-only checks).
+ * R: the block's 16-row tiles. Each weight fragment a warp loads feeds all R of them, so a call over up to 16 R
+ * rows streams the weights once. */
+template <int NT, int C, int R, bool SCALE>
 __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams p) {
-    constexpr int NC = 8 * NT; /* columns of the block */
+    constexpr int NC = 8 * NT, ROWS = 16 * R; /* columns and rows of the block */
     extern __shared__ float smem[];
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * NC, m0 = blockIdx.y * 16;
-    const bool row0 = m0 + g < p.m, row1 = m0 + g + 8 < p.m;
-    const uint16_t *x0 = p.x + (size_t)(m0 + g) * p.k, *x1 = x0 + (size_t)8 * p.k;
+    const int n0 = blockIdx.x * NC, m0 = blockIdx.y * ROWS;
+    const uint16_t *x0 = p.x + (size_t)(m0 + g) * p.k; /* row g of the block; tile r's rows are 16 r further */
     const uint4 zero = make_uint4(0, 0, 0, 0);
     const bool rope = NT == 2 && p.epilogue == SKINNY_ROPE_QKV; /* the host runs RoPE with NT = 2 */
     int tile_n[NT]; /* this lane's column (weight row) of each n8 tile */
@@ -145,17 +147,21 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
      * read now, so that the epilogue's two dependent loads (position, then factors) are not on the chain after the
      * product. */
     RopeAt early_rope = {0.f, 0.f, 0};
-    if (rope && (int)threadIdx.x < 16 * (NC / 2) && m0 + (int)threadIdx.x / (NC / 2) < p.m)
+    if (rope && (int)threadIdx.x < ROWS * (NC / 2) && m0 + (int)threadIdx.x / (NC / 2) < p.m)
         early_rope = rope_at(p, m0 + (int)threadIdx.x / (NC / 2), i0 + (int)threadIdx.x % (NC / 2));
 
-    float acc[NT][4];
+    float acc[R][NT][4];
+    float ss[R][2]; /* sums of squares of the lane's rows g and g + 8 of each tile */
 #pragma unroll
-    for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    float ss0 = 0.f, ss1 = 0.f;
+    for (int r = 0; r < R; r++) {
+        ss[r][0] = ss[r][1] = 0.f;
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.f;
+    }
 
     pdl_trigger(); /* the next kernel may start streaming its weights */
     for (int kb = warp * C * 32; kb < p.k; kb += warps * C * 32) {
-        uint4 wv[C][NT], xa[C], xb[C], sv[SCALE ? C : 1];
+        uint4 wv[C][NT], sv[SCALE ? C : 1];
 #pragma unroll
         for (int c = 0; c < C; c++) {
             const int k = kb + c * 32 + t * 8;
@@ -169,27 +175,33 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
         }
         pdl_wait(); /* x is the previous kernel's output (a no-op after the first pass) */
 #pragma unroll
-        for (int c = 0; c < C; c++) {
-            const int k = kb + c * 32 + t * 8;
-            xa[c] = k < p.k && row0 ? __ldg(reinterpret_cast<const uint4 *>(x0 + k)) : zero;
-            xb[c] = k < p.k && row1 ? __ldg(reinterpret_cast<const uint4 *>(x1 + k)) : zero;
-        }
+        for (int r = 0; r < R; r++) {
+            const int row = m0 + 16 * r + g;
+            const uint16_t *xr = x0 + (size_t)16 * r * p.k;
+            uint4 xa[C], xb[C];
 #pragma unroll
-        for (int c = 0; c < C; c++) {
-            if (p.rms_norm) { /* the statistics of x itself, before any adaptive scale */
-                ss0 += sum_squares(xa[c]);
-                ss1 += sum_squares(xb[c]);
+            for (int c = 0; c < C; c++) {
+                const int k = kb + c * 32 + t * 8;
+                xa[c] = k < p.k && row < p.m ? __ldg(reinterpret_cast<const uint4 *>(xr + k)) : zero;
+                xb[c] = k < p.k && row + 8 < p.m ? __ldg(reinterpret_cast<const uint4 *>(xr + (size_t)8 * p.k + k)) : zero;
             }
-            if (SCALE) {
-                xa[c] = mul_bf16x8(xa[c], sv[SCALE ? c : 0]);
-                xb[c] = mul_bf16x8(xb[c], sv[SCALE ? c : 0]);
-            }
-            const uint32_t a_lo[4] = {xa[c].x, xb[c].x, xa[c].y, xb[c].y};
-            const uint32_t a_hi[4] = {xa[c].z, xb[c].z, xa[c].w, xb[c].w};
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                mma_bf16(acc[j], a_lo, wv[c][j].x, wv[c][j].y);
-                mma_bf16(acc[j], a_hi, wv[c][j].z, wv[c][j].w);
+            for (int c = 0; c < C; c++) {
+                if (p.rms_norm) { /* the statistics of x itself, before any adaptive scale */
+                    ss[r][0] += sum_squares(xa[c]);
+                    ss[r][1] += sum_squares(xb[c]);
+                }
+                if (SCALE) {
+                    xa[c] = mul_bf16x8(xa[c], sv[SCALE ? c : 0]);
+                    xb[c] = mul_bf16x8(xb[c], sv[SCALE ? c : 0]);
+                }
+                const uint32_t a_lo[4] = {xa[c].x, xb[c].x, xa[c].y, xb[c].y};
+                const uint32_t a_hi[4] = {xa[c].z, xb[c].z, xa[c].w, xb[c].w};
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    mma_bf16(acc[r][j], a_lo, wv[c][j].x, wv[c][j].y);
+                    mma_bf16(acc[r][j], a_hi, wv[c][j].z, wv[c][j].w);
+                }
             }
         }
     }
@@ -204,7 +216,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
      * below rather than following it. (Not before the product: live across the loop, their registers would cost
      * the weight loads in flight.) A warp that ran no pass has not waited for the kernel before: it waits here. */
     const int first_m = m0 + ((int)threadIdx.x >> row_shift), first_n = n0 + ((int)threadIdx.x & (per_row - 1));
-    const bool early = p.epilogue == SKINNY_RESIDUAL && (int)threadIdx.x < 16 * per_row && first_m < p.m && first_n < p.n;
+    const bool early = p.epilogue == SKINNY_RESIDUAL && (int)threadIdx.x < ROWS * per_row && first_m < p.m && first_n < p.n;
     float early_res = 0.f, early_gate = 1.f;
     if (early) {
         pdl_wait();
@@ -213,24 +225,28 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     }
 
     /* Partials to shared memory: [warp][row][column], then sums of squares [warp][row]. */
-    float *part = smem + warp * 16 * NC;
-    float *ss = smem + warps * 16 * NC;
+    float *part = smem + warp * ROWS * NC;
+    float *sums = smem + warps * ROWS * NC;
 #pragma unroll
-    for (int j = 0; j < NT; j++) {
-        const int col = j * 8 + 2 * t;
-        part[g * NC + col] = acc[j][0];
-        part[g * NC + col + 1] = acc[j][1];
-        part[(g + 8) * NC + col] = acc[j][2];
-        part[(g + 8) * NC + col + 1] = acc[j][3];
-    }
-    if (p.rms_norm) {
-        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
-        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
-        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
-        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
-        if (t == 0) {
-            ss[warp * 16 + g] = ss0;
-            ss[warp * 16 + g + 8] = ss1;
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const int col = j * 8 + 2 * t, row = 16 * r + g;
+            part[row * NC + col] = acc[r][j][0];
+            part[row * NC + col + 1] = acc[r][j][1];
+            part[(row + 8) * NC + col] = acc[r][j][2];
+            part[(row + 8) * NC + col + 1] = acc[r][j][3];
+        }
+        if (p.rms_norm) {
+            float s0 = ss[r][0], s1 = ss[r][1];
+            s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+            s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+            if (t == 0) {
+                sums[warp * ROWS + 16 * r + g] = s0;
+                sums[warp * ROWS + 16 * r + g + 8] = s1;
+            }
         }
     }
     __syncthreads();
@@ -238,23 +254,23 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     /* Epilogue: one thread per output (per column pair for GELU x up and RoPE). */
     if (rope) {
         constexpr int half_cols = NC / 2;
-        for (int e = threadIdx.x; e < 16 * half_cols; e += blockDim.x) {
+        for (int e = threadIdx.x; e < ROWS * half_cols; e += blockDim.x) {
             const int row = e / half_cols, c = e % half_cols, m = m0 + row;
             if (m >= p.m) continue;
-            const float scale = row_scale(p, ss, warps, row);
+            const float scale = row_scale<ROWS>(p, sums, warps, row);
             const int col_lo = head * p.head_dim + i0 + c, col_hi = col_lo + p.head_dim / 2;
-            store_rope(p, m, head, i0 + c, column_total<NC>(smem, warps, row, c) * scale + col_bias(p, col_lo),
-                       column_total<NC>(smem, warps, row, c + half_cols) * scale + col_bias(p, col_hi),
+            store_rope(p, m, head, i0 + c, column_total<NC, ROWS>(smem, warps, row, c) * scale + col_bias(p, col_lo),
+                       column_total<NC, ROWS>(smem, warps, row, c + half_cols) * scale + col_bias(p, col_hi),
                        e == (int)threadIdx.x ? early_rope : rope_at(p, m, i0 + c));
         }
         return;
     }
-    for (int e = threadIdx.x; e < 16 * per_row; e += blockDim.x) {
+    for (int e = threadIdx.x; e < ROWS * per_row; e += blockDim.x) {
         const int row = e >> row_shift, col = (e & (per_row - 1)) << pairs, m = m0 + row, n = n0 + col;
         if (m >= p.m || n >= p.n) continue;
-        const float scale = row_scale(p, ss, warps, row);
-        const float v0 = column_total<NC>(smem, warps, row, col) * scale + col_bias(p, n);
-        const float v1 = pairs ? column_total<NC>(smem, warps, row, col + 1) * scale + col_bias(p, n + 1) : 0.f;
+        const float scale = row_scale<ROWS>(p, sums, warps, row);
+        const float v0 = column_total<NC, ROWS>(smem, warps, row, col) * scale + col_bias(p, n);
+        const float v1 = pairs ? column_total<NC, ROWS>(smem, warps, row, col + 1) * scale + col_bias(p, n + 1) : 0.f;
         if (p.epilogue == SKINNY_STORE) {
             p.out[(size_t)m * p.n + n] = __bfloat16_as_ushort(__float2bfloat16(v0));
             if (p.out_f32) p.out_f32[(size_t)m * p.n + n] = v0;
@@ -276,12 +292,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
  * more gets 4-warp blocks (each warp then takes two passes): four of them share an SM, which beat two blocks of 8
  * warps by ~1 us on gate|up (bench/NOTES.md, session 14; NT 4 in 8 warps, its former shape, spilled). Pi0's
  * expert: QKV (2560 x 1024) NT 2, gate|up (8192 x 1024) NT 2 with 4 warps, o_proj (1024 x 2048) NT 1 with 16
- * warps, down (1024 x 4096) NT 1, C 8. */
+ * warps, down (1024 x 4096) NT 1, C 8. Past 16 rows a block takes two row tiles (R 2) and C is 4: with two tiles of
+ * x a chunk, C 8 spilled, and two passes of C 4 were faster (down at 22 rows 7.9 -> 7.4 us, session 16). */
 struct Shape {
-    int warps, nt, chunks;
+    int warps, nt, chunks, row_tiles;
 };
 
-Shape choose_shape(int n, int k, int rope, int scale) {
+Shape choose_shape(int m, int n, int k, int rope, int scale) {
     Shape s;
     s.warps = k / 128;
     s.warps = s.warps < 1 ? 1 : s.warps > kMaxWarps ? kMaxWarps : s.warps;
@@ -292,21 +309,28 @@ Shape choose_shape(int n, int k, int rope, int scale) {
     while (s.nt < max_nt && tiles / (2 * s.nt) >= 128) s.nt *= 2;
     if (tiles / s.nt >= 512 && s.warps > 4) s.warps /= 2;
     if (rope) s.nt = 2, s.chunks = 4; /* a block holds 8 columns of each half of a head */
+    s.row_tiles = m > 16 ? 2 : 1;
+    if (s.row_tiles == 2) s.chunks = 4; /* two tiles of x a chunk: C 8 spills, and two passes of C 4 were faster */
     return s;
 }
 
-template <int NT, int C, bool SCALE>
+template <int NT, int C, int R, bool SCALE>
 cudaError_t launch_as(const SkinnyParams &p, int warps, cudaStream_t stream) {
-    const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 15) / 16));
-    const size_t smem = (size_t)warps * 16 * (8 * NT + 1) * sizeof(float);
+    const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 16 * R - 1) / (16 * R)));
+    const size_t smem = (size_t)warps * 16 * R * (8 * NT + 1) * sizeof(float);
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = dependent_launch(grid, dim3((unsigned)warps * 32), smem, stream, &attr);
-    return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, C, SCALE>, p);
+    return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, C, R, SCALE>, p);
+}
+
+template <int NT, int C, bool SCALE>
+cudaError_t launch_rows(const SkinnyParams &p, const Shape &s, cudaStream_t stream) {
+    return s.row_tiles == 1 ? launch_as<NT, C, 1, SCALE>(p, s.warps, stream) : launch_as<NT, C, 2, SCALE>(p, s.warps, stream);
 }
 
 template <int NT, int C>
-cudaError_t launch(const SkinnyParams &p, int warps, cudaStream_t stream) {
-    return p.in_scale ? launch_as<NT, C, true>(p, warps, stream) : launch_as<NT, C, false>(p, warps, stream);
+cudaError_t launch(const SkinnyParams &p, const Shape &s, cudaStream_t stream) {
+    return p.in_scale ? launch_rows<NT, C, true>(p, s, stream) : launch_rows<NT, C, false>(p, s, stream);
 }
 
 } /* namespace */
@@ -336,8 +360,8 @@ extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t
     const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,
                             a->out, a->out_f32, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
                             a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
-    const Shape s = choose_shape(a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL);
+    const Shape s = choose_shape(a->m, a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL);
     /* C 8 never comes with in_scale (choose_shape), so only C 4 has both variants */
-    if (s.chunks == 8) return launch_as<1, 8, false>(p, s.warps, stream);
-    return s.nt == 1 ? launch<1, 4>(p, s.warps, stream) : launch<2, 4>(p, s.warps, stream);
+    if (s.chunks == 8) return launch_as<1, 8, 1, false>(p, s.warps, stream);
+    return s.nt == 1 ? launch<1, 4>(p, s, stream) : launch<2, 4>(p, s, stream);
 }

@@ -39,8 +39,10 @@ extern "C" {
 
 enum { SKINNY_STORE, SKINNY_GELU_MUL, SKINNY_RESIDUAL, SKINNY_ROPE_QKV };
 
-/* Rows up to which the backend prefers these kernels to cuBLASLt (bench/NOTES.md). */
-#define SKINNY_MAX_ROWS 16
+/* Rows up to which the backend prefers these kernels to cuBLASLt: a block takes one or two 16-row tiles. With four
+ * (44-51 rows) they were slower than cuBLASLt: every block reads all of x, and at 51 rows those copies are ~50 MB a
+ * Linear through L2 (bench/NOTES.md, session 16). */
+#define SKINNY_MAX_ROWS 32
 
 typedef struct {
     int m, n, k;
@@ -63,7 +65,7 @@ typedef struct {
 } skinny_args;
 
 /* Whether the kernels take these arguments: k a multiple of 8, 16-byte aligned x and w, n even for
- * GELU_MUL, n matching the heads for ROPE_QKV, the outputs of the epilogue present. (Any m works; past 16 rows w is re-read per 16.) */
+ * GELU_MUL, n matching the heads for ROPE_QKV, the outputs of the epilogue present. (Any m works; past 32 rows w is re-read per 32.) */
 int pi0_cuda_skinny_supported(const skinny_args *a);
 
 /* Whether the four Linears of a Gemma block with these dims (forward.c's gemma_block_skinny: QKV with RoPE,

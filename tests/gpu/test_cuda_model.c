@@ -1,6 +1,7 @@
 /*
  * test_cuda_model.c - the CUDA backend end to end, Pi0 and Pi0.5: every fixture at the bf16 tolerance
- * (1e-2 vs openpi's fp32 actions), as a batch (cuBLASLt path) and sample by sample (the skinny path),
+ * (1e-2 vs openpi's fp32 actions), as a batch (B 2-3 at H 10: the skinny path's two row tiles; H 50: cuBLASLt) and
+ * sample by sample (the skinny path),
  * ragged batches against the CPU oracle, graph replay equal to the eager run, repeated replays
  * identical, several shapes alternating through the graph cache, camera frames resized on the GPU equal to
  * their images made on the host, and the real-size models on random weights within 2e-2 of the CPU backend.
@@ -291,6 +292,31 @@ TEST(single_sample_matches_cpu) {
     io_close(&f);
 }
 
+/* One sample at horizon 20 (21 suffix rows for Pi0, 20 for Pi0.5: the skinny path's blocks of two row tiles, and
+ * the step's first and last Linears over them) against the CPU backend. */
+static void horizon_20_matches_cpu(const char *name) {
+    fixture_io f;
+    REQUIRE(io_open(&f, name) == 0);
+    pi0_model *gpu = load(name, PI0_BACKEND_CUDA), *cpu = load(name, PI0_BACKEND_CPU);
+    REQUIRE(gpu && cpu);
+    enum { H = 20, N = H * 32 };
+    float noise[N], got[N], ref[N];
+    fill_uniform(noise, N, 1.5f);
+    pi0_batch one = f.batch;
+    one.batch = 1, one.num_steps = 10, one.horizon = H, one.noise = noise;
+    pi0_error err = {0};
+    REQUIRE(pi0_sample_actions(gpu, &one, got, NULL, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_sample_actions(cpu, &one, ref, NULL, &err) == PI0_OK, "%s", err.message);
+    double e = rel_error(got, ref, N);
+    fprintf(stderr, "  %s at horizon %d: vs cpu %.3g\n", name, H, e);
+    CHECK(e <= TOL_BF16, "%s at horizon %d: %.3g", name, H, e);
+    pi0_model_free(gpu), pi0_model_free(cpu);
+    io_close(&f);
+}
+
+TEST(horizon_20_pi0_matches_cpu) { horizon_20_matches_cpu("pi0_tiny"); }
+TEST(horizon_20_pi05_matches_cpu) { horizon_20_matches_cpu("pi05_tiny"); }
+
 /* Eager (no graph), first graph call (eager, then capture), replays: all bitwise identical. */
 TEST(graph_replay_equals_eager_and_repeats) {
     fixture_io f;
@@ -485,6 +511,8 @@ int main(int argc, char **argv) {
     RUN(fixture_pi05_tiny_intermediates);
     RUN(ragged_batch_matches_cpu);
     RUN(single_sample_matches_cpu);
+    RUN(horizon_20_pi0_matches_cpu);
+    RUN(horizon_20_pi05_matches_cpu);
     RUN(graph_replay_equals_eager_and_repeats);
     RUN(graph_cache_many_shapes);
     RUN(frames_resized_on_gpu_equal_host_images);

@@ -151,6 +151,11 @@ TEST(pi0_expert_shapes) {
     /* a residual through gate|up's block shape (a grid of 512+ blocks: 4 warps of two passes), one and two row tiles */
     run_case((skinny_case){11, 8200, 1024, SKINNY_RESIDUAL, 0, 1});
     run_case((skinny_case){17, 8200, 1024, SKINNY_RESIDUAL, 0, 0});
+    /* horizon 50 (openpi's default): 51 rows, four row tiles a block */
+    run_case((skinny_case){51, 2560, 1024, SKINNY_STORE, 1, 0});
+    run_case((skinny_case){51, 1024, 2048, SKINNY_RESIDUAL, 0, 0});
+    run_case((skinny_case){51, 8192, 1024, SKINNY_GELU_MUL, 1, 0});
+    run_case((skinny_case){51, 1024, 4096, SKINNY_RESIDUAL, 0, 0});
 }
 
 TEST(pi05_expert_shapes) {
@@ -159,7 +164,9 @@ TEST(pi05_expert_shapes) {
     run_case((skinny_case){10, 1024, 2048, SKINNY_RESIDUAL, 0, 1});
     run_case((skinny_case){10, 8192, 1024, SKINNY_GELU_MUL, 1, 1});
     run_case((skinny_case){10, 1024, 4096, SKINNY_RESIDUAL, 0, 1});
-    const int rows[] = {1, 15, 17};
+    run_case((skinny_case){50, 1024, 4096, SKINNY_RESIDUAL, 0, 1}); /* horizon 50 */
+    run_case((skinny_case){50, 8192, 1024, SKINNY_GELU_MUL, 1, 1});
+    const int rows[] = {1, 15, 17, 50};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         run_case((skinny_case){rows[i], 1000, 40, SKINNY_STORE, 1, 1});      /* k tail, n past the tile */
         run_case((skinny_case){rows[i], 4106, 1032, SKINNY_GELU_MUL, 1, 1}); /* 8 chunks a pass, k tail */
@@ -168,7 +175,8 @@ TEST(pi05_expert_shapes) {
 }
 
 TEST(awkward_shapes) {
-    const int rows[] = {1, 8, 9, 16, 17, 40};
+    /* one to four row tiles a block (16, 32, 64 rows), partial tiles, and past 64 rows a second block row */
+    const int rows[] = {1, 8, 9, 16, 17, 33, 40, 64, 65, 100};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         run_case((skinny_case){rows[i], 24, 8, SKINNY_STORE, 0, 0});          /* k below one chunk */
         run_case((skinny_case){rows[i], 1000, 40, SKINNY_STORE, 1, 0});       /* k tail, n past the tile */
@@ -264,7 +272,8 @@ static void rope_case(int m, int heads, int kv_heads, int hd, int k, int rms_nor
 TEST(rope_qkv) {
     rope_case(11, 8, 1, 256, 1024, 1, 0); /* Pi0's expert QKV at batch 1 */
     rope_case(10, 8, 1, 256, 1024, 1, 1); /* Pi0.5's, with the adaptive norm's scale and shift */
-    const int rows[] = {1, 9, 17, 40};
+    rope_case(51, 8, 1, 256, 1024, 1, 0); /* horizon 50 */
+    const int rows[] = {1, 9, 17, 40, 51, 100};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         rope_case(rows[i], 3, 1, 32, 40, 0, 0);   /* k below two chunks, with a tail */
         rope_case(rows[i], 2, 2, 16, 264, 1, 1);  /* several kv heads, the smallest head, adaptive */
