@@ -118,10 +118,51 @@ __device__ __forceinline__ float column_total(const float *part, int warps, int 
     return v;
 }
 
+/* One 16-row tile's x for a pass: C chunks of rows g (x0) and g + 8 (x1) of the tile, 8 k from k0 on each (zeros past
+ * k_end or past the call's rows). */
+template <int C>
+__device__ __forceinline__ void load_x(uint4 *xa, uint4 *xb, const uint16_t *x0, const uint16_t *x1, bool row0, bool row1,
+                                       int k0, int k_end) {
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        const int k = k0 + c * 32;
+        xa[c] = k < k_end && row0 ? __ldg(reinterpret_cast<const uint4 *>(x0 + k)) : zero;
+        xb[c] = k < k_end && row1 ? __ldg(reinterpret_cast<const uint4 *>(x1 + k)) : zero;
+    }
+}
+
+/* acc += one tile's x times the pass's weight fragments (and the tile's sums of squares of x, with the norm); x is
+ * scaled by Pi0.5's adaptive scale sv in place first. */
+template <int NT, int C, bool SCALE>
+__device__ __forceinline__ void tile_product(float (&acc)[NT][4], float (&ss)[2], uint4 *xa, uint4 *xb, const uint4 (&wv)[C][NT],
+                                             const uint4 *sv, int rms_norm) {
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        if (rms_norm) { /* the statistics of x itself, before any adaptive scale */
+            ss[0] += sum_squares(xa[c]);
+            ss[1] += sum_squares(xb[c]);
+        }
+        if (SCALE) {
+            xa[c] = mul_bf16x8(xa[c], sv[SCALE ? c : 0]);
+            xb[c] = mul_bf16x8(xb[c], sv[SCALE ? c : 0]);
+        }
+        const uint32_t a_lo[4] = {xa[c].x, xb[c].x, xa[c].y, xb[c].y};
+        const uint32_t a_hi[4] = {xa[c].z, xb[c].z, xa[c].w, xb[c].w};
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            mma_bf16(acc[j], a_lo, wv[c][j].x, wv[c][j].y);
+            mma_bf16(acc[j], a_hi, wv[c][j].z, wv[c][j].w);
+        }
+    }
+}
+
 /* SCALE: Pi0.5's adaptive scale of x (in_scale) is in use. A template argument, so that the other kernels
  * carry neither its registers nor its branch in the main loop (col_bias and gate are epilogue-only checks).
- * R: the block's 16-row tiles. Each weight fragment a warp loads feeds all R of them, so a call over up to 16 R
- * rows streams the weights once. */
+ * R (1 or 2): the block's 16-row tiles. Each weight fragment a warp loads feeds both, so a call over up to 32 rows
+ * streams the weights once; the second tile's x is loaded after the first's product (loaded together they spilled).
+ * The kernel is written so that R = 1 compiles to the code of the one-tile kernel it replaced (session 16: the same
+ * source with the tiles in arrays indexed by a loop compiled differently, and the 11-row layer was 0.5-2 us slower). */
 template <int NT, int C, int R, bool SCALE>
 __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams p) {
     constexpr int NC = 8 * NT, ROWS = 16 * R; /* columns and rows of the block */
@@ -129,7 +170,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * NC, m0 = blockIdx.y * ROWS;
-    const uint16_t *x0 = p.x + (size_t)(m0 + g) * p.k; /* row g of the block; tile r's rows are 16 r further */
+    const uint16_t *x0 = p.x + (size_t)(m0 + g) * p.k, *x1 = x0 + (size_t)8 * p.k; /* rows g, g + 8 of tile 0 */
+    const size_t tile_stride = (size_t)16 * p.k;                                      /* tile 1: 16 rows further */
+    bool row0[R], row1[R]; /* whether those rows of each tile are the call's */
+#pragma unroll
+    for (int r = 0; r < R; r++) row0[r] = m0 + 16 * r + g < p.m, row1[r] = m0 + 16 * r + g + 8 < p.m;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     const bool rope = NT == 2 && p.epilogue == SKINNY_ROPE_QKV; /* the host runs RoPE with NT = 2 */
     int tile_n[NT]; /* this lane's column (weight row) of each n8 tile */
@@ -174,35 +219,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
             if (SCALE) sv[SCALE ? c : 0] = k < p.k ? __ldg(reinterpret_cast<const uint4 *>(p.in_scale + k)) : zero;
         }
         pdl_wait(); /* x is the previous kernel's output (a no-op after the first pass) */
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const int row = m0 + 16 * r + g;
-            const uint16_t *xr = x0 + (size_t)16 * r * p.k;
-            uint4 xa[C], xb[C];
-#pragma unroll
-            for (int c = 0; c < C; c++) {
-                const int k = kb + c * 32 + t * 8;
-                xa[c] = k < p.k && row < p.m ? __ldg(reinterpret_cast<const uint4 *>(xr + k)) : zero;
-                xb[c] = k < p.k && row + 8 < p.m ? __ldg(reinterpret_cast<const uint4 *>(xr + (size_t)8 * p.k + k)) : zero;
-            }
-#pragma unroll
-            for (int c = 0; c < C; c++) {
-                if (p.rms_norm) { /* the statistics of x itself, before any adaptive scale */
-                    ss[r][0] += sum_squares(xa[c]);
-                    ss[r][1] += sum_squares(xb[c]);
-                }
-                if (SCALE) {
-                    xa[c] = mul_bf16x8(xa[c], sv[SCALE ? c : 0]);
-                    xb[c] = mul_bf16x8(xb[c], sv[SCALE ? c : 0]);
-                }
-                const uint32_t a_lo[4] = {xa[c].x, xb[c].x, xa[c].y, xb[c].y};
-                const uint32_t a_hi[4] = {xa[c].z, xb[c].z, xa[c].w, xb[c].w};
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    mma_bf16(acc[r][j], a_lo, wv[c][j].x, wv[c][j].y);
-                    mma_bf16(acc[r][j], a_hi, wv[c][j].z, wv[c][j].w);
-                }
-            }
+        uint4 xa[C], xb[C];
+        load_x<C>(xa, xb, x0, x1, row0[0], row1[0], kb + t * 8, p.k);
+        tile_product<NT, C, SCALE>(acc[0], ss[0], xa, xb, wv, sv, p.rms_norm);
+        if (R == 2) {
+            load_x<C>(xa, xb, x0 + tile_stride, x1 + tile_stride, row0[R - 1], row1[R - 1], kb + t * 8, p.k);
+            tile_product<NT, C, SCALE>(acc[R - 1], ss[R - 1], xa, xb, wv, sv, p.rms_norm);
         }
     }
 
