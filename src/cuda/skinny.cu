@@ -8,14 +8,15 @@
  * separate reduction here, and the norms and the GELU were kernels of their own: 8 launches per
  * expert layer, 4 with these kernels.
  *
- * Design. A block owns 8 * NT output columns of R 16-row tiles (R = 1, or 2 past 16 rows), and all of k: its warps split k
+ * Design. A block owns 8 * NT output columns of a 16-row tile (of two past 16 rows), and all of k: its warps split k
  * between them, each walking chunks of 32 k with mma.sync m16n8k16 (bf16 in, float32 accumulate).
  * Each lane loads 16 bytes (8 consecutive k) of its weight row and of its two x rows per chunk and
  * n8 tile; the k order inside a chunk is permuted identically for x and w (lane t's physical
  * k 8t..8t+3 feed the first mma's k slots 2t, 2t+1, 2t+8, 2t+9, and 8t+4..8t+7 the second's), so one
  * 16-byte load feeds two mma instructions with no shuffles and no shared memory. A pass issues the
- * loads of C chunks at once (C * (NT + 2 R) 16-byte loads per lane, all in flight together), then
- * multiplies, each weight fragment into all R tiles; k up to warps * C * 32 is one pass, which covers every Pi0 shape. The warps' partial
+ * loads of C chunks at once (C * (NT + 2) 16-byte loads per lane, all in flight together), then
+ * multiplies (a second tile's x is loaded next and multiplied by the same weight fragments); k up to
+ * warps * C * 32 is one pass, which covers every Pi0 shape. The warps' partial
  * tiles (and, with rms_norm, their partial sums of squares of x) meet in shared memory and are added
  * in warp order, so the result does not depend on timing. The epilogue then scales, applies
  * GELU x up or the residual add, and stores.
@@ -135,8 +136,8 @@ __device__ __forceinline__ void load_x(uint4 *xa, uint4 *xb, const uint16_t *x0,
 /* acc += one tile's x times the pass's weight fragments (and the tile's sums of squares of x, with the norm); x is
  * scaled by Pi0.5's adaptive scale sv in place first. */
 template <int NT, int C, bool SCALE>
-__device__ __forceinline__ void tile_product(float (&acc)[NT][4], float (&ss)[2], uint4 *xa, uint4 *xb, const uint4 (&wv)[C][NT],
-                                             const uint4 *sv, int rms_norm) {
+__device__ __forceinline__ void tile_product(float (&acc)[NT][4], float (&ss)[2], uint4 *xa, uint4 *xb,
+                                             const uint4 (&wv)[C][NT], const uint4 *sv, int rms_norm) {
 #pragma unroll
     for (int c = 0; c < C; c++) {
         if (rms_norm) { /* the statistics of x itself, before any adaptive scale */
@@ -347,7 +348,8 @@ cudaError_t launch_as(const SkinnyParams &p, int warps, cudaStream_t stream) {
 
 template <int NT, int C, bool SCALE>
 cudaError_t launch_rows(const SkinnyParams &p, const Shape &s, cudaStream_t stream) {
-    return s.row_tiles == 1 ? launch_as<NT, C, 1, SCALE>(p, s.warps, stream) : launch_as<NT, C, 2, SCALE>(p, s.warps, stream);
+    return s.row_tiles == 1 ? launch_as<NT, C, 1, SCALE>(p, s.warps, stream)
+                            : launch_as<NT, C, 2, SCALE>(p, s.warps, stream);
 }
 
 template <int NT, int C>
