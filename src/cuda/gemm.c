@@ -120,21 +120,24 @@ static void *scratch_for(gemm_context *ctx, size_t bytes) {
     return ctx->scratch;
 }
 
+/* out = the call's product by `algo` (out is the call's own output, or the tuner's scratch). */
+static cublasStatus_t matmul(gemm_context *ctx, const gemm_descs *d, const gemm_args *a, const cublasLtMatmulAlgo_t *algo,
+                             void *out, cudaStream_t stream) {
+    return cublasLtMatmul(ctx->lt, d->op, &a->alpha, a->w, d->w, a->x, d->x, &a->beta, out, d->out, out, d->out, algo,
+                          ctx->workspace, ctx->workspace_size, stream);
+}
+
 /* Mean GPU time of TUNE_REPS runs of one candidate into `out`, or a negative value if it fails. One untimed run
  * first: CUDA loads a kernel's module at its first launch (lazy loading), 0.1-1 ms that landed in the timed runs and
  * made the tuner's picks all but random (bench/NOTES.md, session 16). The spin then covers the host's launches. */
 static float time_candidate(gemm_context *ctx, const gemm_descs *d, const gemm_args *a, const cublasLtMatmulAlgo_t *algo,
                             void *out, cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop) {
     float ms = -1;
-    if (cublasLtMatmul(ctx->lt, d->op, &a->alpha, a->w, d->w, a->x, d->x, &a->beta, out, d->out, out, d->out, algo,
-                       ctx->workspace, ctx->workspace_size, stream))
-        return -1;
+    if (matmul(ctx, d, a, algo, out, stream)) return -1;
     if (pi0_cuda_spin(TUNE_SPIN_US, stream) != cudaSuccess) return -1;
     cudaEventRecord(start, stream);
     for (int r = 0; r < TUNE_REPS; r++)
-        if (cublasLtMatmul(ctx->lt, d->op, &a->alpha, a->w, d->w, a->x, d->x, &a->beta, out, d->out, out, d->out, algo,
-                           ctx->workspace, ctx->workspace_size, stream))
-            return -1;
+        if (matmul(ctx, d, a, algo, out, stream)) return -1;
     cudaEventRecord(stop, stream);
     if (cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
         cudaGetLastError();
@@ -172,11 +175,12 @@ static cublasStatus_t find_algo(gemm_context *ctx, const gemm_descs *d, const ge
         cudaEventDestroy(start);
         return CUBLAS_STATUS_SUCCESS;
     }
-    float time[TUNE_CANDIDATES], best = -1;
+    float time[TUNE_CANDIDATES], best = -1; /* each candidate's best, -1 while it has none */
+    for (int i = 0; i < found; i++) time[i] = -1;
     for (int round = 0; round < TUNE_ROUNDS; round++)
         for (int i = 0; i < found; i++) {
             float ms = time_candidate(ctx, d, a, &results[i].algo, out, stream, start, stop);
-            if (round == 0 || (ms > 0 && (time[i] < 0 || ms < time[i]))) time[i] = ms;
+            if (ms > 0 && (time[i] < 0 || ms < time[i])) time[i] = ms;
         }
     for (int i = 0; i < found; i++)
         if (time[i] > 0 && (best < 0 || time[i] < best)) best = time[i], *algo = results[i].algo;
@@ -196,9 +200,7 @@ pi0_status gemm_run(gemm_context *ctx, const gemm_args *a, cudaStream_t stream, 
         if (!s && cache_algo(ctx, a, &algo)) s = CUBLAS_STATUS_ALLOC_FAILED;
         known = &algo;
     }
-    if (!s)
-        s = cublasLtMatmul(ctx->lt, d.op, &a->alpha, a->w, d.w, a->x, d.x, &a->beta, a->out, d.out, a->out, d.out, known,
-                           ctx->workspace, ctx->workspace_size, stream);
+    if (!s) s = matmul(ctx, &d, a, known, a->out, stream);
     descs_free(&d);
     if (s)
         return pi0_fail(err, PI0_ERR_BACKEND, "cuBLASLt matmul (m %d, n %d, k %d%s%s): %s", a->m, a->n, a->k,
