@@ -223,9 +223,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
         uint4 xa[C], xb[C];
         load_x<C>(xa, xb, x0, x1, row0[0], row1[0], kb + t * 8, p.k);
         tile_product<NT, C, SCALE>(acc[0], ss[0], xa, xb, wv, sv, p.rms_norm);
-        if (R == 2) {
-            load_x<C>(xa, xb, x0 + tile_stride, x1 + tile_stride, row0[R - 1], row1[R - 1], kb + t * 8, p.k);
-            tile_product<NT, C, SCALE>(acc[R - 1], ss[R - 1], xa, xb, wv, sv, p.rms_norm);
+        if constexpr (R == 2) {
+            load_x<C>(xa, xb, x0 + tile_stride, x1 + tile_stride, row0[1], row1[1], kb + t * 8, p.k);
+            tile_product<NT, C, SCALE>(acc[1], ss[1], xa, xb, wv, sv, p.rms_norm);
         }
     }
 
