@@ -90,10 +90,9 @@ struct AttnConfig {
     static constexpr int KCH = HDP / 16;              /* k16 steps of Q K^T */
     static constexpr int NTO = HD / 8;                /* n8 output tiles of P V */
     static constexpr int TILE = kRows * LDS;          /* elements of a 64-row tile (Q; K or V of 64 keys) */
-    static constexpr size_t SMEM = 3 * (size_t)TILE * sizeof(uint16_t); /* Q, K and V tiles of 64 rows */
     /* key-split combine: fp32 partial O (row stride HD + 4 floats), then row max and row sum */
     static constexpr int OLD = HD + 4;
-    static_assert((size_t)kRows * OLD * 4 + kRows * 8 <= SMEM, "partials must fit in the tiles' space");
+    static constexpr size_t PARTIALS = (size_t)kRows * OLD * 4 + kRows * 8; /* bytes, from the start of shared memory */
 };
 
 struct AttnParams {
@@ -322,7 +321,9 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[HD / 8][4], const float
 /* Shared memory of the mma.sync tiled kernel with K and V tiles of KEYS keys (and a Q tile of kRows rows). */
 template <int HD, int KEYS>
 constexpr size_t tiles_smem() {
-    return (size_t)(kRows + 2 * KEYS) * AttnConfig<HD>::LDS * sizeof(uint16_t);
+    constexpr size_t bytes = (size_t)(kRows + 2 * KEYS) * AttnConfig<HD>::LDS * sizeof(uint16_t);
+    static_assert(AttnConfig<HD>::PARTIALS <= bytes, "a split's partials must fit in the tiles' space");
+    return bytes;
 }
 
 /* Bytes of one 64-column block of a 64-row swizzled tile (tile_at, SWIZZLED). */
@@ -668,6 +669,7 @@ constexpr int kWgThreads = 2 * kThreads; /* two consumer warpgroups */
 template <int HD>
 struct WgConfig { /* Q and the ring's K and V tiles (64 unpadded rows each), 1 KB of alignment slack, the barriers */
     static constexpr size_t SMEM = (size_t)(1 + 2 * kStages) * kRows * HD * sizeof(uint16_t) + 1024 + 8 * kStages;
+    static_assert(AttnConfig<HD>::PARTIALS <= SMEM, "a split's partials must fit");
 };
 
 /* Named barriers (bar 0 is __syncthreads'): a sync waits until `threads` have arrived or synced; an arrive does not
@@ -689,6 +691,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     static_assert(kStages % 2 == 1, "a slot's consecutive tiles belong to different warpgroups");
     constexpr int chunks = HD / 8;
     constexpr uint32_t kTileBytes = kRows * HD * 2;
+    static_assert(2 * kTileBytes + (C::NTO + 1) * kThreads * sizeof(float4) <= kStages * 2 * kTileBytes,
+                  "warpgroup 1's partials fit in the ring past its first slot");
     const attn_segment seg = p.segments[blockIdx.z];
     const int G = p.group, split = p.split;
     const int rows_total = seg.num_q * G;
@@ -789,16 +793,17 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         const float M0 = fmaxf(m0, ml.x), M1 = fmaxf(m1, ml.y);
         /* a row that neither warpgroup saw a key of keeps -inf maxima and zero sums: factors exp2(-inf) = 0 */
         const float base0 = M0 == -INFINITY ? 0.f : M0, base1 = M1 == -INFINITY ? 0.f : M1;
-        const float a0 = exp2f(m0 - base0), b0 = exp2f(ml.x - base0), a1 = exp2f(m1 - base1), b1 = exp2f(ml.y - base1);
+        rescale_running(o, l0, l1, m0, m1, base0, base1); /* this warpgroup's O and l to the common max */
+        const float b0 = exp2f(ml.x - base0), b1 = exp2f(ml.y - base1);
 #pragma unroll
-        for (int t = 0; t < C::NTO; t++) {
+        for (int t = 0; t < C::NTO; t++) { /* plus the other's, rescaled likewise */
             const float4 x = part[t * kThreads + wtid];
-            o[t][0] = o[t][0] * a0 + x.x * b0;
-            o[t][1] = o[t][1] * a0 + x.y * b0;
-            o[t][2] = o[t][2] * a1 + x.z * b1;
-            o[t][3] = o[t][3] * a1 + x.w * b1;
+            o[t][0] += x.x * b0;
+            o[t][1] += x.y * b0;
+            o[t][2] += x.z * b1;
+            o[t][3] += x.w * b1;
         }
-        l0 = l0 * a0 + ml.z * b0, l1 = l1 * a1 + ml.w * b1;
+        l0 += ml.z * b0, l1 += ml.w * b1;
         m0 = M0, m1 = M1;
     }
 
