@@ -60,10 +60,13 @@ struct SkinnyParams {
     uint16_t *cache_k, *cache_v;
 };
 
-/* Weights are read once per call: keep them out of L1. */
+/* Weights are read once per call: keep them out of L1. A lane's 16 bytes are a quarter of a 64-byte run of its weight
+ * row, and the other half of that 128-byte line is the same lanes' next chunk, a separate load: .L2::128B has L2 fetch
+ * the whole line on the first miss (QKV 4.24 -> 4.07 us, gate|up 7.13 -> 6.90, the layer 24.7 -> 24.35 in the lab;
+ * .L2::256B 24.5; bench/NOTES.md, session 17). */
 __device__ __forceinline__ uint4 load_stream(const uint16_t *p) {
     uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p));
     return r;
