@@ -734,6 +734,43 @@ TEST(nonfinite_inputs_are_refused) {
     fixture_close(&f);
 }
 
+/* A batch whose images pass PLAN_HOST_THREADS_BYTES is checked on the OpenMP threads: a bad value anywhere (the last
+ * float of an image, inside its last, partial block) is still found, the first in (sample, camera) order is named,
+ * and a masked camera's image is not looked at. */
+TEST(nonfinite_images_of_a_large_batch_are_refused) {
+    fixture f;
+    REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
+    enum { B = 8, C = 3 };
+    size_t S = 224, A = 32, image = S * S * 3, L = (size_t)f.batch.prompt_len;
+    REQUIRE((B * C - 1) * image * sizeof(float) > PLAN_HOST_THREADS_BYTES, "the batch no longer takes the threads");
+    float *images[C], *state = calloc(B * A, sizeof(float)), *out = malloc((size_t)B * f.batch.horizon * A * sizeof(float));
+    const float *image_ptrs[C];
+    uint8_t masks[B * C], *prompt_mask = malloc(B * L);
+    int32_t *prompt_ids = malloc(B * L * sizeof(int32_t));
+    for (int c = 0; c < C; c++) {
+        image_ptrs[c] = images[c] = malloc(B * image * sizeof(float));
+        for (size_t i = 0; i < B * image; i++) images[c][i] = 0.25f;
+    }
+    for (int i = 0; i < B * C; i++) masks[i] = i != 3 * C + 2; /* sample 3's camera 2 is masked */
+    for (int b = 0; b < B; b++) memcpy(prompt_ids + b * L, f.prompt_ids, L * sizeof(int32_t)), memset(prompt_mask + b * L, 1, L);
+    pi0_batch batch = {.batch = B, .num_cameras = C, .images = image_ptrs, .image_masks = masks, .prompt_len = (int)L,
+                       .prompt_ids = prompt_ids, .prompt_mask = prompt_mask, .state = state, .horizon = f.batch.horizon,
+                       .num_steps = 1, .noise_seed = 5};
+    pi0_error err = {0};
+    images[1][6 * image + image - 1] = NAN; /* sample 6, camera 1, the last pixel's last channel */
+    CHECK(pi0_sample_actions(f.model, &batch, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+              strstr(err.message, "the image of camera 1, sample 6 is nan at (y 223, x 223, channel 2)"), "%s", err.message);
+    images[0][2 * image + (100 * S + 3) * 3 + 1] = -INFINITY; /* sample 2, camera 0: before sample 6 */
+    CHECK(pi0_sample_actions(f.model, &batch, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+              strstr(err.message, "the image of camera 0, sample 2 is -inf at (y 100, x 3, channel 1)"), "%s", err.message);
+    images[0][2 * image + (100 * S + 3) * 3 + 1] = images[1][6 * image + image - 1] = 0.25f;
+    images[2][3 * image + 17] = NAN; /* the masked camera's */
+    CHECK(pi0_sample_actions(f.model, &batch, out, NULL, &err) == PI0_OK, "%s", err.message);
+    for (int c = 0; c < C; c++) free(images[c]);
+    free(state), free(out), free(prompt_mask), free(prompt_ids);
+    fixture_close(&f);
+}
+
 /* Camera frames of any size (pi0_batch.frames, resized by the backend) give what the images openpi's transforms
  * make of them give, bit for bit, with cameras masked and in uniform mode; bad frames are refused by name. */
 TEST(frames_equal_preprocessed_images) {
@@ -889,6 +926,7 @@ int main(int argc, char **argv) {
     RUN(bad_batches_are_rejected);
     RUN(first_nonfinite_finds_every_kind);
     RUN(nonfinite_inputs_are_refused);
+    RUN(nonfinite_images_of_a_large_batch_are_refused);
     RUN(frames_equal_preprocessed_images);
     RUN(random_weights_deterministic_and_saveable);
     RUN(full_size_random_inference);

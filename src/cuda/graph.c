@@ -236,13 +236,24 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
 
 /* ---- inputs ---------------------------------------------------------------------------------- */
 
+/* The images into the pinned inputs, in pieces of PIECE floats, on the OpenMP threads when the plan says so. */
+static void fill_images(float *dst, const float *const *images, int num_images, size_t image, int threads) {
+    enum { PIECE = 1 << 16 };
+    long long per_image = (long long)((image + PIECE - 1) / PIECE), pieces = num_images * per_image;
+#pragma omp parallel for schedule(static) if (threads)
+    for (long long i = 0; i < pieces; i++) {
+        size_t at = (size_t)(i / per_image), begin = (size_t)(i % per_image) * PIECE;
+        size_t count = image - begin < PIECE ? image - begin : PIECE;
+        if (images[at]) memcpy(dst + at * image + begin, images[at] + begin, count * sizeof(float));
+        else memset(dst + at * image + begin, 0, count * sizeof(float)); /* a masked camera in uniform mode: zeros */
+    }
+}
+
 static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan *p) {
     const pi0_dims *d = &m->dims;
     const graph_inputs *in = &g->in_host;
     size_t image = (size_t)d->image_size * d->image_size * 3, B = (size_t)p->batch, R = B * p->suffix_len;
-    for (int i = 0; i < p->num_images && !p->has_frames; i++) /* NULL: a masked camera in uniform mode, zeros */
-        if (p->images[i]) memcpy(in->images + i * image, p->images[i], image * sizeof(float));
-        else memset(in->images + i * image, 0, image * sizeof(float));
+    if (!p->has_frames) fill_images(in->images, p->images, p->num_images, image, p->host_threads);
     if (p->state) memcpy(in->state, p->state, B * d->action_dim * sizeof(float)); /* Pi0.5 has none */
     memcpy(in->x_t, p->noise, B * p->horizon * d->action_dim * sizeof(float));
     memcpy(in->prefix_src, p->prefix_src, (size_t)p->total_prefix * sizeof(int));

@@ -143,6 +143,8 @@ pi0_status plan_build(const pi0_dims *dims, const pi0_batch *b, pi0_plan *p, pi0
         if (p->prefix_len[s] > p->max_prefix) p->max_prefix = p->prefix_len[s];
     }
     p->image_start[B] = p->num_images;
+    size_t image_bytes = (size_t)dims->image_size * dims->image_size * 3 * sizeof(float);
+    p->host_threads = b->images && (size_t)p->num_images * image_bytes > PLAN_HOST_THREADS_BYTES;
     p->total_prefix = rows;
     p->cache_rows = cache_rows;
     if (layout_tokens(p)) goto oom;

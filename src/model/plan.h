@@ -43,6 +43,9 @@ typedef struct {
     const float **images;
     pi0_frame *frames;
     int has_frames;
+    /* Whether the host's passes over the images (the finiteness check, the CUDA backend's copy into pinned memory) run
+     * on the OpenMP threads: past PLAN_HOST_THREADS_BYTES of images, where they are most of a call's host time. */
+    int host_threads;
     int *image_start;           /* [batch + 1]: sample b owns images [image_start[b], image_start[b+1]) */
     int *prefix_src;            /* [total_prefix]: >= 0 image token images * P + t, else prompt id -src - 1 */
     int *prefix_start, *prefix_len; /* [batch] packed prefix rows */
@@ -62,6 +65,11 @@ typedef struct {
     const float *noise;         /* (B, H, action_dim): the caller's, or noise_owned */
     float *noise_owned;
 } pi0_plan;
+
+/* 64 samples of two cameras are 77 MB of float32 images: checked and copied by one thread, they cost ~17 ms more of a
+ * ~300 ms call than on an H200 host's 16 (bench/NOTES.md, session 18). One sample's 1.2 MB was slower on threads (p50
+ * 9.77 -> 9.86 ms). */
+#define PLAN_HOST_THREADS_BYTES ((size_t)4 << 20)
 
 /* Tokens one camera image contributes: one per patch. */
 static inline int image_tokens(const pi0_dims *d) {

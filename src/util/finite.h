@@ -25,14 +25,19 @@ static inline uint32_t nonfinite_bits(const float *x, size_t count) {
     return bad;
 }
 
+enum { FINITE_BLOCK = 4096 }; /* floats a vector pass takes */
+
+/* nonfinite_bits of one block of up to FINITE_BLOCK floats: a constant trip count for full blocks, so that the
+ * vectorizer needs no remainder loop there. */
+static inline uint32_t nonfinite_block_bits(const float *x, size_t count) {
+    return count == FINITE_BLOCK ? nonfinite_bits(x, FINITE_BLOCK) : nonfinite_bits(x, count);
+}
+
 /* Index of the first NaN or infinity among x[0..n), or n when all are finite. */
 static inline size_t first_nonfinite(const float *x, size_t n) {
-    enum { BLOCK = 4096 };
-    for (size_t begin = 0; begin < n; begin += BLOCK) {
-        size_t count = n - begin < BLOCK ? n - begin : BLOCK;
-        /* a constant trip count for the full blocks: the vectorizer needs no remainder loop there */
-        uint32_t bad = count == BLOCK ? nonfinite_bits(x + begin, BLOCK) : nonfinite_bits(x + begin, count);
-        if (!(bad & 0x80000000u)) continue;
+    for (size_t begin = 0; begin < n; begin += FINITE_BLOCK) {
+        size_t count = n - begin < FINITE_BLOCK ? n - begin : FINITE_BLOCK;
+        if (!(nonfinite_block_bits(x + begin, count) & 0x80000000u)) continue;
         for (size_t i = begin; i < begin + count; i++)
             if (!isfinite(x[i])) return i;
     }

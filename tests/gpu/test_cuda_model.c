@@ -230,7 +230,8 @@ static void fixture_intermediates(const char *name) {
 TEST(fixture_pi0_tiny_intermediates) { fixture_intermediates("pi0_tiny"); }
 TEST(fixture_pi05_tiny_intermediates) { fixture_intermediates("pi05_tiny"); }
 
-/* A B = 5 batch with every mask pattern and prompt length, against the CPU backend per sample. */
+/* A B = 5 batch with every mask pattern and prompt length, against the CPU backend per sample. Its 8 valid images
+ * (4.8 MB) pass PLAN_HOST_THREADS_BYTES: the host checks and copies them on its threads. */
 TEST(ragged_batch_matches_cpu) {
     fixture_io f;
     REQUIRE(io_open(&f, "pi0_tiny") == 0);
@@ -241,6 +242,7 @@ TEST(ragged_batch_matches_cpu) {
     float *imgs[3];
     const float *ptrs[3];
     uint8_t masks[B * 3] = {1, 1, 1, 0, 1, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0};
+    REQUIRE(8 * image * sizeof(float) > PLAN_HOST_THREADS_BYTES, "the batch no longer takes the host's threads");
     int32_t ids[B * S];
     uint8_t id_mask[B * S];
     float state[B * 32], noise[B * 10 * 32];
