@@ -197,40 +197,17 @@ uint64_t pi0_model_num_params(const pi0_model *m) {
     return n;
 }
 
-/* Whether every valid camera's image is finite: one vector pass over blocks of FINITE_BLOCK floats, on the OpenMP
- * threads when the plan says so (large batches). */
-static int images_finite(const pi0_batch *b, size_t image, int threads) {
-    long long per_image = (long long)((image + FINITE_BLOCK - 1) / FINITE_BLOCK);
-    long long blocks = (long long)b->batch * b->num_cameras * per_image;
-    uint32_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad) if (threads)
-    for (long long i = 0; i < blocks; i++) {
-        long long at = i / per_image; /* sample * cameras + camera */
-        int c = (int)(at % b->num_cameras);
-        if (!b->image_masks[at]) continue; /* its image may be NULL */
-        size_t begin = (size_t)(i % per_image) * FINITE_BLOCK;
-        const float *x = b->images[c] + (size_t)(at / b->num_cameras) * image + begin;
-        bad |= nonfinite_block_bits(x, image - begin < FINITE_BLOCK ? image - begin : FINITE_BLOCK);
-    }
-    return !(bad & 0x80000000u);
-}
-
 /* A NaN or infinity the model reads would come out as NaN actions: refused, naming the input and where it is.
- * Only what the model reads is scanned (the valid cameras' images, Pi0's state, the caller's noise). On our
- * 2-core CI machine a sample of three cameras takes 0.06 ms in cache (the policy's images, just written) and
- * 0.27 ms from memory: nothing next to the CPU backend's inference (20 s at the real size), 0.5-2% of a GPU's. */
-static pi0_status check_finite_inputs(const pi0_dims *d, const pi0_batch *b, const pi0_plan *p, pi0_error *err) {
-    size_t S = (size_t)d->image_size, A = (size_t)d->action_dim, image = S * S * 3, chunk = (size_t)p->horizon * A, at;
-    /* frames are bytes: always finite; images are searched one by one only when the vector pass found a bad value */
-    int scan_images = b->images && !images_finite(b, image, p->host_threads);
+ * Only what the model reads is scanned (the valid cameras' images, Pi0's state, the caller's noise); the images by
+ * plan_check_images, unless the backend finds them on its own pass over them (the CUDA backend's copy). On our 2-core
+ * CI machine a sample of three cameras takes 0.06 ms in cache (the policy's images, just written) and 0.27 ms from
+ * memory: nothing next to the CPU backend's inference (20 s at the real size), 0.5-2% of a GPU's. */
+static pi0_status check_finite_inputs(const pi0_model *m, const pi0_batch *b, const pi0_plan *p, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    size_t A = (size_t)d->action_dim, chunk = (size_t)p->horizon * A, at;
+    pi0_status st = m->ops->checks_images ? PI0_OK : plan_check_images(p, d, err);
+    if (st) return st;
     for (int s = 0; s < b->batch; s++) {
-        for (int c = 0; c < b->num_cameras && scan_images; c++) {
-            if (!b->image_masks[s * b->num_cameras + c]) continue; /* its image may be NULL */
-            const float *pixels = b->images[c] + s * image;
-            if ((at = first_nonfinite(pixels, image)) < image)
-                return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the image of camera %d, sample %d is %g at (y %zu, x %zu, "
-                                "channel %zu): inputs must be finite", c, s, pixels[at], at / (S * 3), at / 3 % S, at % 3);
-        }
         if (d->kind == PI0_MODEL_PI0 && (at = first_nonfinite(b->state + s * A, A)) < A)
             return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the state of sample %d is %g at dim %zu: inputs must be "
                             "finite", s, b->state[s * A + at], at);
@@ -248,7 +225,7 @@ pi0_status pi0_sample_actions(pi0_model *m, const pi0_batch *batch, float *actio
     pi0_plan plan;
     pi0_status st = plan_build(&m->dims, batch, &plan, err);
     if (st) return st;
-    st = check_finite_inputs(&m->dims, batch, &plan, err);
+    st = check_finite_inputs(m, batch, &plan, err);
     if (!st) st = m->ops->sample(m, &plan, actions, timings, err);
     plan_free(&plan);
     return st;

@@ -474,4 +474,4 @@ static uint64_t cpu_device_bytes(const pi0_model *m) {
     return 0;
 }
 
-const pi0_backend_ops pi0_cpu_backend = {"cpu", cpu_init, cpu_sample, cpu_release, cpu_device_bytes, NULL, NULL};
+const pi0_backend_ops pi0_cpu_backend = {"cpu", cpu_init, cpu_sample, cpu_release, cpu_device_bytes, NULL, NULL, 0};

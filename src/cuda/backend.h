@@ -99,6 +99,7 @@ typedef struct {
     cudaGraphExec_t exec;
     char *device, *host;   /* the workspace and its pinned host mirror (inputs, then actions) */
     size_t inputs_size;
+    size_t images_size;    /* the inputs' first bytes: the images, which each call sends itself (graph.c), not the graph */
     graph_inputs in, in_host;
     float *actions_host;
     const step_tables *tables;

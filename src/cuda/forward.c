@@ -455,7 +455,8 @@ static cudaError_t record(cudaEvent_t event, cudaStream_t stream) {
 pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
     const pi0_dims *d = &m->dims;
     size_t actions_bytes = (size_t)g->shape.batch * g->shape.horizon * d->action_dim * sizeof(float);
-    CUDA_TRY(cudaMemcpyAsync(g->device, g->host, g->inputs_size, cudaMemcpyHostToDevice, s->stream));
+    CUDA_TRY(cudaMemcpyAsync(g->device + g->images_size, g->host + g->images_size, g->inputs_size - g->images_size,
+                             cudaMemcpyHostToDevice, s->stream)); /* the images are on their way already (graph.c) */
     CUDA_TRY(record(g->events[0], s->stream));
     TRY(vision_forward(s, m, g, err));
     CUDA_TRY(record(g->events[1], s->stream));

@@ -8,17 +8,19 @@
  * the step count (step_tables) is computed once per count. A server that prepares its largest shape
  * first (pi0_policy_warmup) allocates once.
  *
- * A call fills the pinned inputs, replays the graph (whose first node copies them in and whose last copies
- * the actions out) and waits. The first call of a shape runs the forward pass (forward.c) eagerly, which
- * also warms cuBLASLt and the kernels up, then captures it. PI0_CUDA_GRAPHS=0 in the environment runs
- * every call eagerly (read at each call).
+ * A call fills the pinned inputs, sends the images on their way (send_images), replays the graph (whose first
+ * node copies the rest of the inputs in and whose last copies the actions out) and waits. The first call of a
+ * shape runs the forward pass (forward.c) eagerly, which also warms cuBLASLt and the kernels up, then captures
+ * it. PI0_CUDA_GRAPHS=0 in the environment runs every call eagerly (read at each call).
  */
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cuda/attention.h"
 #include "cuda/backend.h"
 #include "util/error.h"
+#include "util/finite.h"
 
 #define ALIGN 256
 
@@ -213,6 +215,7 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
     carve_inputs(&inputs, &g->in, shape, g->suffix_len, d);
     size_t actions_bytes = (size_t)shape->batch * shape->horizon * d->action_dim * sizeof(float);
     g->inputs_size = inputs.used;
+    g->images_size = shape->frames ? 0 : (uintptr_t)g->in.state; /* carved at 0: the offset past the images */
     all.used = inputs.used;
     carve_activations(&all, g, d);
     pi0_status st = tables_for(s, m, shape->num_steps, &g->tables, err);
@@ -236,24 +239,43 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
 
 /* ---- inputs ---------------------------------------------------------------------------------- */
 
-/* The images into the pinned inputs, in pieces of PIECE floats, on the OpenMP threads when the plan says so. */
-static void fill_images(float *dst, const float *const *images, int num_images, size_t image, int threads) {
-    enum { PIECE = 1 << 16 };
-    long long per_image = (long long)((image + PIECE - 1) / PIECE), pieces = num_images * per_image;
-#pragma omp parallel for schedule(static) if (threads)
-    for (long long i = 0; i < pieces; i++) {
-        size_t at = (size_t)(i / per_image), begin = (size_t)(i % per_image) * PIECE;
-        size_t count = image - begin < PIECE ? image - begin : PIECE;
-        if (images[at]) memcpy(dst + at * image + begin, images[at] + begin, count * sizeof(float));
-        else memset(dst + at * image + begin, 0, count * sizeof(float)); /* a masked camera in uniform mode: zeros */
+/* The images into the pinned inputs and on to the device, image by image: each image's copy to the device is queued
+ * (in stream order, ahead of the graph) as soon as the host has copied it, so that the host's copies and the DMA
+ * overlap, and the graph's first node copies only the rest of the inputs. Each piece of a valid camera's image is
+ * checked for NaN and infinity right after its copy, while it is in cache (pi0_sample_actions leaves the images to
+ * this pass: checks_images). On the OpenMP threads when the plan says so. Sets *bad when an image has a NaN or
+ * infinity; returns the first error of the copies to the device. */
+static cudaError_t send_images(const cuda_state *s, const cuda_graph *g, const pi0_plan *p, size_t image, int *bad) {
+    int device = 0;
+    cudaError_t first = cudaGetDevice(&device); /* the workers' CUDA calls go to the caller's device */
+    uint32_t bits = 0;
+    int threads = omp_get_max_threads() < p->num_images ? omp_get_max_threads() : p->num_images > 1 ? p->num_images : 1;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bits) num_threads(threads) if (p->host_threads)
+    for (int i = 0; i < p->num_images; i++) {
+        float *host = g->in_host.images + (size_t)i * image;
+        const float *src = p->images[i];
+        if (!src) memset(host, 0, image * sizeof(float)); /* a masked camera in uniform mode: zeros */
+        for (size_t begin = 0; src && begin < image; begin += FINITE_BLOCK) {
+            size_t count = image - begin < FINITE_BLOCK ? image - begin : FINITE_BLOCK;
+            memcpy(host + begin, src + begin, count * sizeof(float));
+            if (p->image_camera[i] >= 0) bits |= nonfinite_block_bits(host + begin, count); /* a masked one is not read */
+        }
+        cudaError_t e = p->host_threads ? cudaSetDevice(device) : cudaSuccess;
+        if (!e) e = cudaMemcpyAsync(g->in.images + (size_t)i * image, host, image * sizeof(float), cudaMemcpyHostToDevice,
+                                    s->stream);
+        if (e) {
+#pragma omp critical(send_images)
+            if (!first) first = e;
+        }
     }
+    *bad = (bits & 0x80000000u) != 0;
+    return first;
 }
 
 static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan *p) {
     const pi0_dims *d = &m->dims;
     const graph_inputs *in = &g->in_host;
-    size_t image = (size_t)d->image_size * d->image_size * 3, B = (size_t)p->batch, R = B * p->suffix_len;
-    if (!p->has_frames) fill_images(in->images, p->images, p->num_images, image, p->host_threads);
+    size_t B = (size_t)p->batch, R = B * p->suffix_len;
     if (p->state) memcpy(in->state, p->state, B * d->action_dim * sizeof(float)); /* Pi0.5 has none */
     memcpy(in->x_t, p->noise, B * p->horizon * d->action_dim * sizeof(float));
     memcpy(in->prefix_src, p->prefix_src, (size_t)p->total_prefix * sizeof(int));
@@ -426,9 +448,19 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
         return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "a sample has %d tokens; the cuda backend supports up to %d",
                         p->max_prefix + p->suffix_len, ROPE_MAX_POS);
     TRY(graph_for(s, m, &shape, &g, err));
+    cudaGetLastError(); /* a stale error of someone else's call must not be taken for ours */
     fill_inputs(g, m, p);
     if (p->has_frames) TRY(stage_frames(s, m, g, p, err));
-    cudaGetLastError(); /* a stale error of someone else's call must not be taken for ours */
+    else {
+        int bad = 0;
+        cudaError_t e = send_images(s, g, p, (size_t)m->dims.image_size * m->dims.image_size * 3, &bad);
+        if (e || bad) {
+            cudaStreamSynchronize(s->stream); /* the copies read the pinned inputs, which the next call rewrites */
+            cudaGetLastError();
+            if (e) return pi0_fail(err, PI0_ERR_BACKEND, "copying the images to the device: %s", cudaGetErrorString(e));
+            return plan_name_nonfinite_image(p, &m->dims, err);
+        }
+    }
     if (use_graphs && g->exec) {
         CUDA_TRY(cudaGraphLaunch(g->exec, s->stream));
     } else {
@@ -514,5 +546,5 @@ int pi0_cuda_available(void) {
     return count > 0;
 }
 
-const pi0_backend_ops pi0_cuda_backend = {"cuda",           cuda_init,           cuda_sample,       cuda_release,
-                                          cuda_device_bytes, cuda_graph_captures, cuda_keeps_on_host};
+const pi0_backend_ops pi0_cuda_backend = {"cuda",           cuda_init,           cuda_sample,        cuda_release,
+                                          cuda_device_bytes, cuda_graph_captures, cuda_keeps_on_host, 1};

@@ -27,6 +27,7 @@ typedef struct pi0_backend_ops {
     uint64_t (*device_bytes)(const pi0_model *model); /* peak accelerator memory held */
     uint64_t (*graph_captures)(const pi0_model *model); /* batch shapes prepared so far */
     weight_keep_fn keep; /* NULL: every tensor stays on the host */
+    int checks_images;   /* sample finds NaN or infinity in the images itself (plan_name_nonfinite_image names it) */
 } pi0_backend_ops;
 
 struct checkpoint_s;

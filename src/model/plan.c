@@ -5,6 +5,7 @@
 
 #include "model/flow.h"
 #include "util/error.h"
+#include "util/finite.h"
 
 
 static pi0_status check_batch(const pi0_dims *dims, const pi0_batch *b, pi0_error *err) {
@@ -51,6 +52,7 @@ static int alloc_all(pi0_plan *p, int B, int num_cameras, int prompt_len) {
     size_t rows = (size_t)B * ((size_t)num_cameras * p->tokens_per_image + prompt_len) + 1;
     p->images = calloc((size_t)B * num_cameras + 1, sizeof(float *));
     p->frames = calloc((size_t)B * num_cameras + 1, sizeof(pi0_frame));
+    p->image_camera = calloc((size_t)B * num_cameras + 1, sizeof(int));
     p->image_start = calloc((size_t)B + 1, sizeof(int));
     p->prefix_src = malloc(rows * sizeof(int));
     p->prefix_start = calloc((size_t)B, sizeof(int));
@@ -59,7 +61,7 @@ static int alloc_all(pi0_plan *p, int B, int num_cameras, int prompt_len) {
     p->cache_start = calloc((size_t)B, sizeof(int));
     p->prefix_segments = calloc((size_t)B, sizeof(attn_segment));
     p->suffix_segments = calloc((size_t)B, sizeof(attn_segment));
-    return p->images && p->frames && p->image_start && p->prefix_src && p->prefix_start && p->prefix_len && p->prefix_keys &&
+    return p->images && p->frames && p->image_camera && p->image_start && p->prefix_src && p->prefix_start && p->prefix_len && p->prefix_keys &&
            p->cache_start && p->prefix_segments && p->suffix_segments;
 }
 
@@ -107,6 +109,7 @@ static void plan_sample(pi0_plan *p, const pi0_dims *dims, const pi0_batch *b, i
             for (int t = 0; t < P; t++) p->prefix_src[(*row)++] = p->num_images * P + t;
             if (b->frames && valid) p->frames[p->num_images] = b->frames[(size_t)s * C + c];
             else if (b->images && b->images[c]) p->images[p->num_images] = b->images[c] + (size_t)s * image;
+            p->image_camera[p->num_images] = valid ? c : -1 - c;
             p->num_images++; /* a masked camera's image and frame stay NULL: zeros */
         }
         for (int i = 0; i < L; i++) {
@@ -164,6 +167,7 @@ oom:
 void plan_free(pi0_plan *p) {
     free(p->images);
     free(p->frames);
+    free(p->image_camera);
     free(p->image_start);
     free(p->prefix_src);
     free(p->prefix_start);
@@ -174,4 +178,32 @@ void plan_free(pi0_plan *p) {
     free(p->suffix_pos), free(p->suffix_cache_row), free(p->suffix_segments), free(p->action_rows);
     free(p->noise_owned);
     memset(p, 0, sizeof *p);
+}
+
+pi0_status plan_name_nonfinite_image(const pi0_plan *p, const pi0_dims *d, pi0_error *err) {
+    size_t S = (size_t)d->image_size, image = S * S * 3, at;
+    for (int s = 0; s < p->batch; s++)
+        for (int i = p->image_start[s]; i < p->image_start[s + 1]; i++) {
+            if (p->image_camera[i] < 0 || !p->images[i]) continue; /* a masked camera's image is not read */
+            if ((at = first_nonfinite(p->images[i], image)) < image)
+                return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the image of camera %d, sample %d is %g at (y %zu, x %zu, "
+                                "channel %zu): inputs must be finite", p->image_camera[i], s, p->images[i][at],
+                                at / (S * 3), at / 3 % S, at % 3);
+        }
+    return PI0_OK;
+}
+
+pi0_status plan_check_images(const pi0_plan *p, const pi0_dims *d, pi0_error *err) {
+    if (p->has_frames) return PI0_OK;
+    size_t image = (size_t)d->image_size * d->image_size * 3;
+    long long per_image = (long long)((image + FINITE_BLOCK - 1) / FINITE_BLOCK), blocks = p->num_images * per_image;
+    uint32_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad) if (p->host_threads)
+    for (long long i = 0; i < blocks; i++) {
+        int at = (int)(i / per_image);
+        if (p->image_camera[at] < 0 || !p->images[at]) continue;
+        size_t begin = (size_t)(i % per_image) * FINITE_BLOCK;
+        bad |= nonfinite_block_bits(p->images[at] + begin, image - begin < FINITE_BLOCK ? image - begin : FINITE_BLOCK);
+    }
+    return bad & 0x80000000u ? plan_name_nonfinite_image(p, d, err) : PI0_OK;
 }

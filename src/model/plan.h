@@ -42,6 +42,7 @@ typedef struct {
      * other NULL. A masked camera's image or frame pixels are NULL: zeros. */
     const float **images;
     pi0_frame *frames;
+    int *image_camera;          /* [num_images]: the camera of each image; -1 - camera for a masked one (uniform mode) */
     int has_frames;
     /* Whether the host's passes over the images (the finiteness check, the CUDA backend's copy into pinned memory) run
      * on the OpenMP threads: past PLAN_HOST_THREADS_BYTES of images, where they are most of a call's host time. */
@@ -78,6 +79,14 @@ static inline int image_tokens(const pi0_dims *d) {
 
 /* Validates `batch` against `dims` (shapes, token ids, limits) and builds the plan. */
 pi0_status plan_build(const pi0_dims *dims, const pi0_batch *batch, pi0_plan *plan, pi0_error *err);
+
+/* A NaN or infinity in a valid camera's image would come out as NaN actions: PI0_ERR_INVALID_ARGUMENT naming the first
+ * one (sample, camera, pixel), else PI0_OK. One vector pass over the images (on the OpenMP threads with host_threads),
+ * then a search image by image only when it found one. Frames are bytes: always finite. */
+pi0_status plan_check_images(const pi0_plan *plan, const pi0_dims *dims, pi0_error *err);
+
+/* The search alone: for a backend whose own pass over the images (a copy) found a NaN or infinity. */
+pi0_status plan_name_nonfinite_image(const pi0_plan *plan, const pi0_dims *dims, pi0_error *err);
 void plan_free(pi0_plan *plan);
 
 #endif

@@ -6,6 +6,7 @@
  * identical, several shapes alternating through the graph cache, camera frames resized on the GPU equal to
  * their images made on the host, and the real-size models on random weights within 2e-2 of the CPU backend.
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "cuda/backend.h"
@@ -264,6 +265,9 @@ TEST(ragged_batch_matches_cpu) {
         CHECK(e <= TOL_BF16, "sample %d (cameras %d%d%d, %d tokens): %.3g", b, masks[3 * b], masks[3 * b + 1],
               masks[3 * b + 2], 3 + 3 * b, e);
     }
+    imgs[1][5 * image - 1] = NAN; /* the last valid image's last value, found by a thread of the copy */
+    CHECK(pi0_sample_actions(gpu, &batch, a_gpu, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+              strstr(err.message, "the image of camera 1, sample 4 is nan at (y 223, x 223, channel 2)"), "%s", err.message);
     for (int c = 0; c < 3; c++) free(imgs[c]);
     pi0_model_free(gpu), pi0_model_free(cpu);
     io_close(&f);
@@ -447,6 +451,19 @@ TEST(bad_input_on_cuda) {
     CHECK(pi0_sample_actions(m, &f.batch, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT && strstr(err.message, "99999"));
     f.prompt_ids[0] = 3;
     CHECK(pi0_sample_actions(m, &f.batch, out, NULL, &err) == PI0_OK, "%s", err.message);
+    /* NaN or infinity in a valid camera's image is found by the backend's copy to the device and named as the CPU's
+     * check names it; a masked camera's image is not read; the model serves the next call as before */
+    REQUIRE(f.masks[1 * 3 + 1] && !f.masks[0 * 3 + 2], "the fixture's masks changed");
+    size_t image = (size_t)224 * 224 * 3;
+    float *pixel = &f.images[1][image + (5 * 224 + 7) * 3 + 2], keep = *pixel; /* sample 1, camera 1, y 5, x 7, ch 2 */
+    *pixel = NAN;
+    CHECK(pi0_sample_actions(m, &f.batch, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+              strstr(err.message, "the image of camera 1, sample 1 is nan at (y 5, x 7, channel 2)"), "%s", err.message);
+    *pixel = keep;
+    f.images[2][image - 1] = INFINITY; /* sample 0's masked camera, its last value */
+    float again[2 * 10 * 32];
+    CHECK(pi0_sample_actions(m, &f.batch, again, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(!memcmp(out, again, sizeof out), "the call after the refusal differs from the one before it");
     pi0_model_free(m);
     io_close(&f);
 }
