@@ -244,13 +244,13 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
  * overlap, and the graph's first node copies only the rest of the inputs. Each piece of a valid camera's image is
  * checked for NaN and infinity right after its copy, while it is in cache (pi0_sample_actions leaves the images to
  * this pass: checks_images). On the OpenMP threads when the plan says so. Sets *bad when an image has a NaN or
- * infinity; returns the first error of the copies to the device. */
+ * infinity; returns an error of the copies to the device (the largest code, if several failed). */
 static cudaError_t send_images(const cuda_state *s, const cuda_graph *g, const pi0_plan *p, size_t image, int *bad) {
-    int device = 0;
-    cudaError_t first = cudaGetDevice(&device); /* the workers' CUDA calls go to the caller's device */
+    int device = 0, worst = (int)cudaGetDevice(&device); /* the workers' CUDA calls go to the caller's device */
     uint32_t bits = 0;
     int threads = omp_get_max_threads() < p->num_images ? omp_get_max_threads() : p->num_images > 1 ? p->num_images : 1;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : bits) num_threads(threads) if (p->host_threads)
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bits) reduction(max : worst) num_threads(threads) \
+    if (p->host_threads)
     for (int i = 0; i < p->num_images; i++) {
         float *host = g->in_host.images + (size_t)i * image;
         const float *src = p->images[i];
@@ -263,13 +263,10 @@ static cudaError_t send_images(const cuda_state *s, const cuda_graph *g, const p
         cudaError_t e = p->host_threads ? cudaSetDevice(device) : cudaSuccess;
         if (!e) e = cudaMemcpyAsync(g->in.images + (size_t)i * image, host, image * sizeof(float), cudaMemcpyHostToDevice,
                                     s->stream);
-        if (e) {
-#pragma omp critical(send_images)
-            if (!first) first = e;
-        }
+        if ((int)e > worst) worst = (int)e;
     }
     *bad = (bits & 0x80000000u) != 0;
-    return first;
+    return (cudaError_t)worst;
 }
 
 static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan *p) {
