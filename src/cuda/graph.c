@@ -260,9 +260,12 @@ static cudaError_t send_images(const cuda_state *s, const cuda_graph *g, const p
             memcpy(host + begin, src + begin, count * sizeof(float));
             if (p->image_camera[i] >= 0) bits |= nonfinite_block_bits(host + begin, count); /* a masked one is not read */
         }
-        cudaError_t e = p->host_threads ? cudaSetDevice(device) : cudaSuccess;
+        int before = device; /* an OpenMP worker's own device, given back after (the threads are the program's too) */
+        cudaError_t e = p->host_threads ? cudaGetDevice(&before) : cudaSuccess;
+        if (!e && before != device) e = cudaSetDevice(device);
         if (!e) e = cudaMemcpyAsync(g->in.images + (size_t)i * image, host, image * sizeof(float), cudaMemcpyHostToDevice,
                                     s->stream);
+        if (before != device) cudaSetDevice(before);
         if ((int)e > worst) worst = (int)e;
     }
     *bad = (bits & 0x80000000u) != 0;
