@@ -61,8 +61,8 @@ static int alloc_all(pi0_plan *p, int B, int num_cameras, int prompt_len) {
     p->cache_start = calloc((size_t)B, sizeof(int));
     p->prefix_segments = calloc((size_t)B, sizeof(attn_segment));
     p->suffix_segments = calloc((size_t)B, sizeof(attn_segment));
-    return p->images && p->frames && p->image_camera && p->image_start && p->prefix_src && p->prefix_start && p->prefix_len && p->prefix_keys &&
-           p->cache_start && p->prefix_segments && p->suffix_segments;
+    return p->images && p->frames && p->image_camera && p->image_start && p->prefix_src && p->prefix_start &&
+           p->prefix_len && p->prefix_keys && p->cache_start && p->prefix_segments && p->suffix_segments;
 }
 
 /* Where each prefix and suffix row lives and what it attends to (see the top of plan.h). */

@@ -79,6 +79,7 @@ static inline int image_tokens(const pi0_dims *d) {
 
 /* Validates `batch` against `dims` (shapes, token ids, limits) and builds the plan. */
 pi0_status plan_build(const pi0_dims *dims, const pi0_batch *batch, pi0_plan *plan, pi0_error *err);
+void plan_free(pi0_plan *plan);
 
 /* A NaN or infinity in a valid camera's image would come out as NaN actions: PI0_ERR_INVALID_ARGUMENT naming the first
  * one (sample, camera, pixel), else PI0_OK. One vector pass over the images (on the OpenMP threads with host_threads),
@@ -87,6 +88,5 @@ pi0_status plan_check_images(const pi0_plan *plan, const pi0_dims *dims, pi0_err
 
 /* The search alone: for a backend whose own pass over the images (a copy) found a NaN or infinity. */
 pi0_status plan_name_nonfinite_image(const pi0_plan *plan, const pi0_dims *dims, pi0_error *err);
-void plan_free(pi0_plan *plan);
 
 #endif
