@@ -736,7 +736,7 @@ TEST(nonfinite_inputs_are_refused) {
 
 /* A batch whose images pass PLAN_HOST_THREADS_BYTES is checked on the OpenMP threads: a bad value anywhere (the last
  * float of an image, inside its last, partial block) is still found, the first in (sample, camera) order is named,
- * and a masked camera's image is not looked at. */
+ * and a masked camera's image is not looked at, also in uniform mode, where the plan holds it. */
 TEST(nonfinite_images_of_a_large_batch_are_refused) {
     fixture f;
     REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
@@ -766,6 +766,8 @@ TEST(nonfinite_images_of_a_large_batch_are_refused) {
     images[0][2 * image + (100 * S + 3) * 3 + 1] = images[1][6 * image + image - 1] = 0.25f;
     images[2][3 * image + 17] = NAN; /* the masked camera's */
     CHECK(pi0_sample_actions(f.model, &batch, out, NULL, &err) == PI0_OK, "%s", err.message);
+    batch.uniform_shape = 1; /* the masked camera's image now goes to the ViT (its tokens never keys), still unchecked */
+    CHECK(pi0_sample_actions(f.model, &batch, out, NULL, &err) == PI0_OK, "uniform mode: %s", err.message);
     for (int c = 0; c < C; c++) free(images[c]);
     free(state), free(out), free(prompt_mask), free(prompt_ids);
     fixture_close(&f);

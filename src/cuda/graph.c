@@ -248,7 +248,8 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
 static cudaError_t send_images(const cuda_state *s, const cuda_graph *g, const pi0_plan *p, size_t image, int *bad) {
     int device = 0, worst = (int)cudaGetDevice(&device); /* the workers' CUDA calls go to the caller's device */
     uint32_t bits = 0;
-    int threads = omp_get_max_threads() < p->num_images ? omp_get_max_threads() : p->num_images > 1 ? p->num_images : 1;
+    int threads = p->num_images < omp_get_max_threads() ? p->num_images : omp_get_max_threads(); /* an image each */
+    if (threads < 1) threads = 1;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bits) reduction(max : worst) num_threads(threads) \
     if (p->host_threads)
     for (int i = 0; i < p->num_images; i++) {
@@ -258,7 +259,7 @@ static cudaError_t send_images(const cuda_state *s, const cuda_graph *g, const p
         for (size_t begin = 0; src && begin < image; begin += FINITE_BLOCK) {
             size_t count = image - begin < FINITE_BLOCK ? image - begin : FINITE_BLOCK;
             memcpy(host + begin, src + begin, count * sizeof(float));
-            if (p->image_camera[i] >= 0) bits |= nonfinite_block_bits(host + begin, count); /* a masked one is not read */
+            if (plan_image_read(p, i)) bits |= nonfinite_block_bits(host + begin, count);
         }
         int before = device; /* an OpenMP worker's own device, given back after (the threads are the program's too) */
         cudaError_t e = p->host_threads ? cudaGetDevice(&before) : cudaSuccess;

@@ -184,11 +184,11 @@ pi0_status plan_name_nonfinite_image(const pi0_plan *p, const pi0_dims *d, pi0_e
     size_t S = (size_t)d->image_size, image = S * S * 3, at;
     for (int s = 0; s < p->batch; s++)
         for (int i = p->image_start[s]; i < p->image_start[s + 1]; i++) {
-            if (p->image_camera[i] < 0 || !p->images[i]) continue; /* a masked camera's image is not read */
-            if ((at = first_nonfinite(p->images[i], image)) < image)
+            const float *pixels = plan_image_read(p, i);
+            if (pixels && (at = first_nonfinite(pixels, image)) < image)
                 return pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "the image of camera %d, sample %d is %g at (y %zu, x %zu, "
-                                "channel %zu): inputs must be finite", p->image_camera[i], s, p->images[i][at],
-                                at / (S * 3), at / 3 % S, at % 3);
+                                "channel %zu): inputs must be finite", p->image_camera[i], s, pixels[at], at / (S * 3),
+                                at / 3 % S, at % 3);
         }
     return PI0_OK;
 }
@@ -200,10 +200,9 @@ pi0_status plan_check_images(const pi0_plan *p, const pi0_dims *d, pi0_error *er
     uint32_t bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad) if (p->host_threads)
     for (long long i = 0; i < blocks; i++) {
-        int at = (int)(i / per_image);
-        if (p->image_camera[at] < 0 || !p->images[at]) continue;
+        const float *pixels = plan_image_read(p, (int)(i / per_image));
         size_t begin = (size_t)(i % per_image) * FINITE_BLOCK;
-        bad |= nonfinite_block_bits(p->images[at] + begin, image - begin < FINITE_BLOCK ? image - begin : FINITE_BLOCK);
+        if (pixels) bad |= nonfinite_block_bits(pixels + begin, image - begin < FINITE_BLOCK ? image - begin : FINITE_BLOCK);
     }
     return bad & 0x80000000u ? plan_name_nonfinite_image(p, d, err) : PI0_OK;
 }

@@ -39,7 +39,8 @@ typedef struct {
     int tokens_per_image;
     int num_images;             /* camera images to encode over the batch */
     /* [num_images], sample-major, the valid ones first; the caller's images or its frames (has_frames), the
-     * other NULL. A masked camera's image or frame pixels are NULL: zeros. */
+     * other NULL. A masked camera (uniform mode) keeps the caller's image if it gave one; its frame, or an image it
+     * did not give, is NULL: zeros. */
     const float **images;
     pi0_frame *frames;
     int *image_camera;          /* [num_images]: the camera of each image; -1 - camera for a masked one (uniform mode) */
@@ -75,6 +76,12 @@ typedef struct {
 /* Tokens one camera image contributes: one per patch. */
 static inline int image_tokens(const pi0_dims *d) {
     return (d->image_size / d->patch_size) * (d->image_size / d->patch_size);
+}
+
+/* The pixels of image i that the model reads: a valid camera's image; NULL for a masked camera's (its tokens are never
+ * keys, so what it holds does not reach the actions, and it is not checked). */
+static inline const float *plan_image_read(const pi0_plan *p, int i) {
+    return p->image_camera[i] >= 0 ? p->images[i] : NULL;
 }
 
 /* Validates `batch` against `dims` (shapes, token ids, limits) and builds the plan. */
