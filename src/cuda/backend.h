@@ -110,6 +110,7 @@ typedef struct {
     float *suffix_attn_ws; /* the denoise attention's workspace (pi0_cuda_attention_ws) */
     size_t suffix_attn_ws_bytes;
     int persistent;        /* the denoise step runs as one persistent kernel (denoise.h) */
+    int first_step_beside; /* the first denoise step runs beside the prefix (forward.c) */
     void *denoise_ws;      /* its workspace (pi0_cuda_denoise_workspace) */
     pi0_bf16 *vit_h, *vit_qkv, *vit_att, *vit_mlp, *cache_k, *cache_v, *time_hidden, *final_h;
     gemma_buffers prefix, suffix_buffers; /* the LLM's over the prefix rows, the expert's over the suffix */
@@ -120,6 +121,9 @@ typedef struct {
     gpu_weights w;
     gemm_context gemm;
     cudaStream_t stream;
+    cudaStream_t side;      /* the first denoise step beside the prefix (forward.c's first_step_beside); NULL: off */
+    cudaEvent_t forked, joined, *kv_ready; /* its start, its end, and each LLM layer's K/V in the cache [llm depth] */
+    int num_kv_ready;
     cuda_graph **graphs; /* [num_graphs] */
     int num_graphs, cap_graphs, max_graphs;
     uint64_t clock; /* for least-recently-used eviction */

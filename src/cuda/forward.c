@@ -42,6 +42,8 @@ typedef struct {
     const gemma_buffers *b;
     float *attn_ws;   /* attention workspace (NULL: none) */
     size_t attn_ws_bytes;
+    cudaEvent_t kv_written; /* recorded once the layer's K/V are in the cache (NULL: none) */
+    int after_wait;         /* the block's first kernel follows a wait on another stream (skinny_args.plain_launch) */
 } gemma_rows;
 
 /* What one of Pi0.5's adaptive norms makes of this step's time conditioning (docs/model.md#adaptive-rmsnorm):
@@ -78,7 +80,7 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
                               .epilogue = SKINNY_ROPE_QKV, .out = b->qkv, .heads = d->num_heads,
                               .kv_heads = d->num_kv_heads, .head_dim = hd, .positions = r->positions,
                               .cache_rows = r->cache_rows, .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin,
-                              .cache_k = cache_k, .cache_v = cache_v}, s->stream, err));
+                              .cache_k = cache_k, .cache_v = cache_v, .plain_launch = r->after_wait}, s->stream, err));
     CUDA_TRY(pi0_cuda_attention_ws(b->att, q_dim, b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
                                    r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd), r->attn_ws,
                                    r->attn_ws_bytes, s->stream));
@@ -124,6 +126,7 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_rope_qkv(r->b->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
                                cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
+    if (r->kv_written) CUDA_TRY(cudaEventRecord(r->kv_written, s->stream));
     if (kv_only) return PI0_OK;
     CUDA_TRY(pi0_cuda_attention_ws(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
                                    r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
@@ -181,17 +184,20 @@ static size_t cache_layer_elems(const pi0_model *m, const cuda_graph *g) {
 }
 
 /* The LLM over every valid prefix token ([image tokens, prompt embeddings * sqrt(width)]), filling each
- * layer's K/V cache; nothing else is kept. */
-static pi0_status prefix_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
+ * layer's K/V cache; nothing else is kept. With kv_ready, event `layer` is recorded once that layer's K/V are in
+ * the cache (the first denoise step's expert layer waits for it: first_step_beside). */
+static pi0_status prefix_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, cudaEvent_t *kv_ready, pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.llm;
     size_t cache_layer = cache_layer_elems(m, g);
     CUDA_TRY(pi0_cuda_assemble_prefix(g->x, g->in.prefix_src, g->shape.total_prefix, d->width, g->vision, s->w.embed,
                                       (float)sqrt((double)d->width), s->stream));
     gemma_rows r = {g->shape.total_prefix, g->shape.batch, g->shape.max_prefix, g->in.prefix_pos, g->in.prefix_cache_row,
-                    g->in.prefix_segments, g->x, NULL, &g->prefix, NULL, 0};
-    for (int layer = 0; layer < d->depth; layer++)
+                    g->in.prefix_segments, g->x, NULL, &g->prefix, NULL, 0, NULL, 0};
+    for (int layer = 0; layer < d->depth; layer++) {
+        r.kv_written = kv_ready ? kv_ready[layer] : NULL;
         TRY(gemma_block(s, &s->w.llm[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer,
                         layer == d->depth - 1, NULL, err));
+    }
     return PI0_OK;
 }
 
@@ -299,8 +305,10 @@ static pi0_status expert_persistent(cuda_state *s, const pi0_model *m, cuda_grap
     return PI0_OK;
 }
 
-/* One Euler step: x_t += dt * action_out_proj(final_norm(expert(suffix(x_t, t_k)))[action rows]). */
-static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, pi0_error *err) {
+/* One Euler step: x_t += dt * action_out_proj(final_norm(expert(suffix(x_t, t_k)))[action rows]). With kv_ready
+ * (first_step_beside) expert layer l waits for event l, the LLM layer's K/V. */
+static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, cudaEvent_t *kv_ready,
+                               pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.expert;
     const gpu_weights *w = &s->w;
     int B = g->shape.batch, S = g->suffix_len, pi05 = m->dims.kind == PI0_MODEL_PI05;
@@ -311,14 +319,51 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
         TRY(expert_persistent(s, m, g, step, err));
     } else {
         gemma_rows r = {B * S, B, S, g->in.suffix_pos, g->in.suffix_cache_row, g->in.suffix_segments, g->suffix,
-                        g->suffix_bf16, &g->suffix_buffers, g->suffix_attn_ws, g->suffix_attn_ws_bytes};
+                        g->suffix_bf16, &g->suffix_buffers, g->suffix_attn_ws, g->suffix_attn_ws_bytes, NULL,
+                        kv_ready != NULL};
         for (int layer = 0; layer < d->depth; layer++) {
             block_mods mods = pi05 ? layer_mods(m, g, layer, step) : (block_mods){0};
+            if (kv_ready) CUDA_TRY(cudaStreamWaitEvent(s->stream, kv_ready[layer], 0));
             TRY(gemma_block(s, &w->expert[layer], d, &r, g->cache_k + layer * cache_layer,
                             g->cache_v + layer * cache_layer, 0, pi05 ? &mods : NULL, err));
         }
     }
     return euler_update(s, m, g, step, skinny_rows, err);
+}
+
+/* Pi0's state token, the suffix's first row in every step. */
+static pi0_status state_token(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
+    const pi0_dims *d = &m->dims;
+    if (d->kind == PI0_MODEL_PI0)
+        CUDA_TRY(pi0_cuda_linear_small_k(g->state_token, NULL, g->in.state, s->w.state_proj_w, s->w.state_proj_b,
+                                         g->shape.batch, d->action_dim, d->expert.width, 0, s->stream));
+    return PI0_OK;
+}
+
+/*
+ * The first denoise step beside the prefix, on the side stream. Expert layer l of a step reads the prefix's K/V of
+ * LLM layer l only, so step 0 can follow the prefix layer by layer instead of waiting for all of it: its chain of
+ * small kernels, which leaves most of the GPU idle (bench/NOTES.md), takes the multiprocessors the prefix leaves
+ * idle (its attention on half of them, the norms, RoPE, gelu x up, each GEMM's last wave) rather than running
+ * after it. Each layer's first kernel follows its wait with a plain launch: stream capture makes the edge from the
+ * prefix's RoPE kernel programmatic otherwise, and the attention two kernels on reads those keys before its own
+ * wait (attention.h). Joined back before step 1, whose first kernel is a plain one too. For one sample on the
+ * skinny path only: a cuBLASLt GEMM here would share the prefix's workspace.
+ */
+static int first_step_beside(const cuda_state *s, const pi0_model *m, const cuda_graph *g) {
+    return s->side && !g->persistent && suffix_is_skinny(s, m, g);
+}
+
+static pi0_status run_first_step_beside(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
+    cudaStream_t main = s->stream;
+    s->stream = s->side;
+    pi0_status st = state_token(s, m, g, err);
+    if (!st) st = denoise_step(s, m, g, 0, s->kv_ready, err);
+    cudaError_t e = st ? cudaSuccess : cudaEventRecord(s->joined, s->stream);
+    s->stream = main;
+    if (!st && !e) e = cudaStreamWaitEvent(s->stream, s->joined, 0);
+    if (!st && e) st = pi0_fail(err, PI0_ERR_BACKEND, "joining the first denoise step: %s", cudaGetErrorString(e));
+    return st;
 }
 
 /* ---- per-step-count constants ------------------------------------------------------------------------- */
@@ -455,17 +500,21 @@ static cudaError_t record(cudaEvent_t event, cudaStream_t stream) {
 pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
     const pi0_dims *d = &m->dims;
     size_t actions_bytes = (size_t)g->shape.batch * g->shape.horizon * d->action_dim * sizeof(float);
+    int beside = g->first_step_beside = first_step_beside(s, m, g);
     CUDA_TRY(cudaMemcpyAsync(g->device + g->images_size, g->host + g->images_size, g->inputs_size - g->images_size,
                              cudaMemcpyHostToDevice, s->stream)); /* the images are on their way already (graph.c) */
     CUDA_TRY(record(g->events[0], s->stream));
     TRY(vision_forward(s, m, g, err));
     CUDA_TRY(record(g->events[1], s->stream));
-    TRY(prefix_forward(s, m, g, err));
+    if (beside) { /* the side stream starts after vision (first_step_beside) */
+        CUDA_TRY(cudaEventRecord(s->forked, s->stream));
+        CUDA_TRY(cudaStreamWaitEvent(s->side, s->forked, 0));
+    }
+    TRY(prefix_forward(s, m, g, beside ? s->kv_ready : NULL, err));
     CUDA_TRY(record(g->events[2], s->stream));
-    if (d->kind == PI0_MODEL_PI0)
-        CUDA_TRY(pi0_cuda_linear_small_k(g->state_token, NULL, g->in.state, s->w.state_proj_w, s->w.state_proj_b,
-                                         g->shape.batch, d->action_dim, d->expert.width, 0, s->stream));
-    for (int step = 0; step < g->shape.num_steps; step++) TRY(denoise_step(s, m, g, step, err));
+    if (beside) TRY(run_first_step_beside(s, m, g, err));
+    else TRY(state_token(s, m, g, err));
+    for (int step = beside; step < g->shape.num_steps; step++) TRY(denoise_step(s, m, g, step, NULL, err));
     CUDA_TRY(record(g->events[3], s->stream));
     CUDA_TRY(cudaMemcpyAsync(g->actions_host, g->in.x_t, actions_bytes, cudaMemcpyDeviceToHost, s->stream));
     return PI0_OK;

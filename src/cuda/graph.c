@@ -390,7 +390,8 @@ static pi0_status capture(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_
     pi0_status st = cuda_forward(s, m, g, err);
     cudaError_t e = cudaStreamEndCapture(s->stream, &graph);
     if (!st && e) st = pi0_fail(err, PI0_ERR_BACKEND, "graph capture failed: %s", cudaGetErrorString(e));
-    if (!st && (e = cudaGraphInstantiate(&g->exec, graph, 0)))
+    /* each kernel at the priority of the stream it was captured from (streams_init) */
+    if (!st && (e = cudaGraphInstantiate(&g->exec, graph, cudaGraphInstantiateFlagUseNodePriority)))
         st = pi0_fail(err, PI0_ERR_BACKEND, "graph instantiation failed: %s", cudaGetErrorString(e));
     if (graph) cudaGraphDestroy(graph);
     cudaGetLastError();
@@ -468,6 +469,7 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
         pi0_status st = cuda_forward(s, m, g, err);
         if (st) {
             cudaStreamSynchronize(s->stream);
+            if (s->side) cudaStreamSynchronize(s->side); /* a failed pass may have left it unjoined */
             cudaGetLastError();
             return st;
         }
@@ -487,10 +489,39 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
     return PI0_OK;
 }
 
+/* The backend's stream and, unless PI0_BESIDE=0 (A/B runs), the side stream of forward.c's first_step_beside with
+ * its events. The main stream then runs at the device's highest priority and the side stream at its lowest, so that
+ * the first denoise step's short kernels take the multiprocessors the prefix leaves idle rather than delaying its
+ * next kernel (bench/NOTES.md, session 19). */
+static pi0_status streams_init(cuda_state *s, const pi0_model *m, pi0_error *err) {
+    const char *env = getenv("PI0_BESIDE");
+    int beside = !(env && !strcmp(env, "0")), least = 0, greatest = 0;
+    cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (!e) e = cudaStreamCreateWithPriority(&s->stream, cudaStreamNonBlocking, beside ? greatest : 0);
+    if (!e && beside) e = cudaStreamCreateWithPriority(&s->side, cudaStreamNonBlocking, least);
+    if (!e && beside) e = cudaEventCreateWithFlags(&s->forked, cudaEventDisableTiming);
+    if (!e && beside) e = cudaEventCreateWithFlags(&s->joined, cudaEventDisableTiming);
+    if (!e && beside && !(s->kv_ready = calloc((size_t)m->dims.llm.depth, sizeof *s->kv_ready)))
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
+    for (; !e && beside && s->num_kv_ready < m->dims.llm.depth; s->num_kv_ready++)
+        e = cudaEventCreateWithFlags(&s->kv_ready[s->num_kv_ready], cudaEventDisableTiming);
+    if (e) return pi0_fail(err, PI0_ERR_BACKEND, "cannot create the CUDA streams: %s", cudaGetErrorString(e));
+    return PI0_OK;
+}
+
+static void side_free(cuda_state *s) {
+    for (int i = 0; i < s->num_kv_ready; i++) cudaEventDestroy(s->kv_ready[i]);
+    free(s->kv_ready);
+    if (s->forked) cudaEventDestroy(s->forked);
+    if (s->joined) cudaEventDestroy(s->joined);
+    if (s->side) cudaStreamDestroy(s->side);
+}
+
 static void cuda_release(pi0_model *m) {
     cuda_state *s = m->backend_state;
     if (!s) return;
     if (s->stream) cudaStreamSynchronize(s->stream);
+    if (s->side) cudaStreamSynchronize(s->side);
     graphs_drop(s);
     free(s->graphs);
     for (int i = 0; i < s->num_tables; i++) tables_free(s, s->tables[i]);
@@ -503,6 +534,7 @@ static void cuda_release(pi0_model *m) {
     free(s->allocations);
     free(s->w.vit), free(s->w.llm), free(s->w.expert);
     gemm_free(&s->gemm);
+    side_free(s);
     if (s->stream) cudaStreamDestroy(s->stream);
     free(s);
     m->backend_state = NULL;
@@ -519,9 +551,7 @@ static pi0_status cuda_init(pi0_model *m, pi0_error *err) {
     s->use_persistent = persistent_env && !strcmp(persistent_env, "1");
     const char *max_env = getenv("PI0_CUDA_MAX_GRAPHS");
     s->max_graphs = max_env && atoi(max_env) > 0 ? atoi(max_env) : MAX_GRAPHS;
-    pi0_status st = PI0_OK;
-    if (cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking) != cudaSuccess)
-        st = pi0_fail(err, PI0_ERR_BACKEND, "cannot create a CUDA stream: %s", cudaGetErrorString(cudaGetLastError()));
+    pi0_status st = streams_init(s, m, err);
     if (!st) st = gemm_init(&s->gemm, err);
     if (!st) st = cuda_weights_upload(s, m, err);
     if (st) cuda_release(m);

@@ -341,23 +341,24 @@ Shape choose_shape(int m, int n, int k, int rope, int scale) {
 }
 
 template <int NT, int C, int R, bool SCALE>
-cudaError_t launch_as(const SkinnyParams &p, int warps, cudaStream_t stream) {
+cudaError_t launch_as(const SkinnyParams &p, int warps, bool plain, cudaStream_t stream) {
     const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 16 * R - 1) / (16 * R)));
     const size_t smem = (size_t)warps * 16 * R * (8 * NT + 1) * sizeof(float);
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = dependent_launch(grid, dim3((unsigned)warps * 32), smem, stream, &attr);
+    cudaLaunchConfig_t cfg = dependent_launch(grid, dim3((unsigned)warps * 32), smem, stream, &attr);
+    if (plain) cfg.numAttrs = 0;
     return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, C, R, SCALE>, p);
 }
 
 template <int NT, int C, bool SCALE>
-cudaError_t launch_rows(const SkinnyParams &p, const Shape &s, cudaStream_t stream) {
-    return s.row_tiles == 1 ? launch_as<NT, C, 1, SCALE>(p, s.warps, stream)
-                            : launch_as<NT, C, 2, SCALE>(p, s.warps, stream);
+cudaError_t launch_rows(const SkinnyParams &p, const Shape &s, bool plain, cudaStream_t stream) {
+    return s.row_tiles == 1 ? launch_as<NT, C, 1, SCALE>(p, s.warps, plain, stream)
+                            : launch_as<NT, C, 2, SCALE>(p, s.warps, plain, stream);
 }
 
 template <int NT, int C>
-cudaError_t launch(const SkinnyParams &p, const Shape &s, cudaStream_t stream) {
-    return p.in_scale ? launch_rows<NT, C, true>(p, s, stream) : launch_rows<NT, C, false>(p, s, stream);
+cudaError_t launch(const SkinnyParams &p, const Shape &s, bool plain, cudaStream_t stream) {
+    return p.in_scale ? launch_rows<NT, C, true>(p, s, plain, stream) : launch_rows<NT, C, false>(p, s, plain, stream);
 }
 
 } /* namespace */
@@ -389,6 +390,7 @@ extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t
                             a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
     const Shape s = choose_shape(a->m, a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL);
     /* C 8 never comes with in_scale (choose_shape), so only C 4 has both variants */
-    if (s.chunks == 8) return launch_as<1, 8, 1, false>(p, s.warps, stream);
-    return s.nt == 1 ? launch<1, 4>(p, s, stream) : launch<2, 4>(p, s, stream);
+    const bool plain = a->plain_launch != 0;
+    if (s.chunks == 8) return launch_as<1, 8, 1, false>(p, s.warps, plain, stream);
+    return s.nt == 1 ? launch<1, 4>(p, s, plain, stream) : launch<2, 4>(p, s, plain, stream);
 }

@@ -62,6 +62,10 @@ typedef struct {
     const int *positions, *cache_rows;   /* per row */
     const float *rope_cos, *rope_sin;    /* (position, head_dim / 2) */
     pi0_bf16 *cache_k, *cache_v;
+    /* Launched plainly instead of as a programmatic dependent: for a kernel right after a wait on another stream's
+     * event, which stream capture would also make a programmatic edge (to that stream's kernel, whose writes this
+     * kernel's successors may read before their own wait). */
+    int plain_launch;
 } skinny_args;
 
 /* Whether the kernels take these arguments: k a multiple of 8, 16-byte aligned x and w, n even for

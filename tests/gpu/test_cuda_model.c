@@ -3,7 +3,7 @@
  * (1e-2 vs openpi's fp32 actions), as a batch (B 2-3 at H 10: the skinny path's two row tiles; H 50: cuBLASLt) and
  * sample by sample (the skinny path),
  * ragged batches against the CPU oracle, graph replay equal to the eager run, repeated replays
- * identical, several shapes alternating through the graph cache, camera frames resized on the GPU equal to
+ * identical, the first denoise step beside the prefix equal to it after, several shapes alternating through the graph cache, camera frames resized on the GPU equal to
  * their images made on the host, and the real-size models on random weights within 2e-2 of the CPU backend.
  */
 #include <math.h>
@@ -356,6 +356,69 @@ TEST(graph_replay_equals_eager_and_repeats) {
     io_close(&f);
 }
 
+/* The first denoise step beside the prefix (forward.c's first_step_beside: one sample on the skinny path) gives, bit
+ * for bit, the actions of the same model with it off (PI0_BESIDE=0): the same kernels on the same data, so a
+ * difference is a missing dependency (an expert layer reading its LLM layer's K/V before they are written, or step 1
+ * starting before step 0 ends). Each call has new images and a new prompt, so that K/V left in the cache by the call
+ * before are wrong ones; two prompt lengths in turn, so that each shape's graph runs eagerly once and then replays. */
+static void beside_equals_serial(pi0_dims dims) {
+    dims.action_horizon = 10; /* the skinny path's rows */
+    pi0_options opts = {.backend = PI0_BACKEND_CUDA};
+    pi0_model *beside = NULL, *serial = NULL;
+    pi0_error err = {0};
+    setenv("PI0_GEMM_TUNE", "0", 1); /* each model's tuner could time two algorithms alike and pick either */
+    pi0_status st = pi0_model_random(&dims, 7, &opts, &beside, &err);
+    setenv("PI0_BESIDE", "0", 1);
+    if (!st) st = pi0_model_random(&dims, 7, &opts, &serial, &err);
+    unsetenv("PI0_BESIDE"), unsetenv("PI0_GEMM_TUNE");
+    REQUIRE(st == PI0_OK, "%s", err.message);
+    CHECK(((cuda_state *)beside->backend_state)->side && !((cuda_state *)serial->backend_state)->side,
+          "PI0_BESIDE does not switch the side stream");
+    enum { P = 40 };
+    int H = dims.action_horizon, A = dims.action_dim;
+    size_t image = (size_t)dims.image_size * dims.image_size * 3, n = (size_t)H * A;
+    float *imgs[3], *state = malloc(A * 4), *noise = malloc(n * 4), *got = malloc(n * 4), *ref = malloc(n * 4);
+    const float *ptrs[3];
+    uint8_t masks[3] = {1, 1, 0}, id_mask[P];
+    int32_t ids[P];
+    for (int c = 0; c < 3; c++) ptrs[c] = imgs[c] = malloc(image * sizeof(float));
+    pi0_batch one = {.batch = 1, .num_cameras = 3, .images = ptrs, .image_masks = masks, .prompt_len = P,
+                     .prompt_ids = ids, .prompt_mask = id_mask, .state = state, .horizon = H, .noise = noise,
+                     .num_steps = 10};
+    for (int call = 0; call < 6; call++) {
+        for (int c = 0; c < 3; c++) fill_uniform(imgs[c], image, 1.0f);
+        for (int i = 0; i < P; i++) ids[i] = (int32_t)((gpu_uniform() + 1) * 0.499f * dims.vocab_size), id_mask[i] = i < P - call % 2;
+        fill_uniform(state, A, 1.0f), fill_uniform(noise, n, 1.5f);
+        REQUIRE(pi0_sample_actions(serial, &one, ref, NULL, &err) == PI0_OK, "%s", err.message);
+        REQUIRE(pi0_sample_actions(beside, &one, got, NULL, &err) == PI0_OK, "%s", err.message);
+        CHECK(memcmp(got, ref, n * 4) == 0, "%s call %d: beside differs from serial (rel %.3g)",
+              pi0_model_kind_name(dims.kind), call, rel_error(got, ref, n));
+    }
+    const cuda_state *with = beside->backend_state, *without = serial->backend_state;
+    CHECK(with->num_graphs == 2 && without->num_graphs == 2, "a graph per prompt length");
+    for (int i = 0; i < with->num_graphs; i++) CHECK(with->graphs[i]->first_step_beside, "graph %d: not beside", i);
+    for (int i = 0; i < without->num_graphs; i++) CHECK(!without->graphs[i]->first_step_beside, "PI0_BESIDE=0: beside");
+    for (int c = 0; c < 3; c++) free(imgs[c]);
+    free(state), free(noise), free(got), free(ref);
+    pi0_model_free(beside), pi0_model_free(serial);
+}
+
+/* A small model whose prefix (40 prompt tokens, 4 layers of width 512) outlasts the step's first layers, and the
+ * real-size ones. */
+static pi0_dims small_dims(pi0_model_kind kind) {
+    pi0_dims d = kind == PI0_MODEL_PI05 ? pi0_dims_pi05() : pi0_dims_pi0();
+    d.vision = (pi0_stack_dims){128, 2, 256, 2, 2, 64};
+    d.image_size = 112;
+    d.llm = (pi0_stack_dims){512, 4, 2048, 8, 1, 64};
+    d.expert = (pi0_stack_dims){256, 4, 1024, 8, 1, 64};
+    d.vocab_size = 1000, d.max_token_len = 48;
+    return d;
+}
+
+TEST(first_step_beside_prefix_pi0) { beside_equals_serial(small_dims(PI0_MODEL_PI0)); }
+TEST(first_step_beside_prefix_pi05) { beside_equals_serial(small_dims(PI0_MODEL_PI05)); }
+TEST(first_step_beside_prefix_full_size) { beside_equals_serial(pi0_dims_pi0()); }
+
 /* More shapes than the cache holds (PI0_CUDA_MAX_GRAPHS=4), alternating step counts and batch sizes (the
  * workspace grows, dropping the graphs made so far): each result stays what it was the first time. */
 TEST(graph_cache_many_shapes) {
@@ -533,6 +596,9 @@ int main(int argc, char **argv) {
     RUN(horizon_20_pi0_matches_cpu);
     RUN(horizon_20_pi05_matches_cpu);
     RUN(graph_replay_equals_eager_and_repeats);
+    RUN(first_step_beside_prefix_pi0);
+    RUN(first_step_beside_prefix_pi05);
+    RUN(first_step_beside_prefix_full_size);
     RUN(graph_cache_many_shapes);
     RUN(frames_resized_on_gpu_equal_host_images);
     RUN(bad_input_on_cuda);
