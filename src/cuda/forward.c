@@ -20,6 +20,8 @@
 #include "model/flow.h"
 #include "util/error.h"
 
+#define BESIDE_MAX_ROWS 64 /* first_step_beside */
+
 static pi0_status gemm(cuda_state *s, gemm_args a, pi0_error *err) {
     return gemm_run(&s->gemm, &a, s->stream, err);
 }
@@ -347,11 +349,15 @@ static pi0_status state_token(cuda_state *s, const pi0_model *m, cuda_graph *g, 
  * idle (its attention on half of them, the norms, RoPE, gelu x up, each GEMM's last wave) rather than running
  * after it. Each layer's first kernel follows its wait with a plain launch: stream capture makes the edge from the
  * prefix's RoPE kernel programmatic otherwise, and the attention two kernels on reads those keys before its own
- * wait (attention.h). Joined back before step 1, whose first kernel is a plain one too. For one sample on the
- * skinny path only: a cuBLASLt GEMM here would share the prefix's workspace.
+ * wait (attention.h). Joined back before step 1, whose first kernel is a plain one too. Its cuBLASLt GEMMs (past
+ * the skinny path's rows) have a workspace of their own (gemm_side). In a graph only: the eager first call of a
+ * shape, which times each GEMM shape's candidates, runs them alone. Up to BESIDE_MAX_ROWS suffix rows: a larger
+ * step is GEMMs that want the SMs the prefix's GEMMs hold (bench/NOTES.md, session 19).
  */
-static int first_step_beside(const cuda_state *s, const pi0_model *m, const cuda_graph *g) {
-    return s->side && !g->persistent && suffix_is_skinny(s, m, g);
+static int first_step_beside(const cuda_state *s, const cuda_graph *g) {
+    enum cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (!s->side || g->persistent || g->shape.batch * g->suffix_len > BESIDE_MAX_ROWS) return 0;
+    return cudaStreamIsCapturing(s->stream, &capturing) == cudaSuccess && capturing == cudaStreamCaptureStatusActive;
 }
 
 static pi0_status run_first_step_beside(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
@@ -500,7 +506,7 @@ static cudaError_t record(cudaEvent_t event, cudaStream_t stream) {
 pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
     const pi0_dims *d = &m->dims;
     size_t actions_bytes = (size_t)g->shape.batch * g->shape.horizon * d->action_dim * sizeof(float);
-    int beside = g->first_step_beside = first_step_beside(s, m, g);
+    int beside = g->first_step_beside = first_step_beside(s, g);
     CUDA_TRY(cudaMemcpyAsync(g->device + g->images_size, g->host + g->images_size, g->inputs_size - g->images_size,
                              cudaMemcpyHostToDevice, s->stream)); /* the images are on their way already (graph.c) */
     CUDA_TRY(record(g->events[0], s->stream));

@@ -32,8 +32,19 @@ pi0_status gemm_init(gemm_context *ctx, pi0_error *err) {
     return PI0_OK;
 }
 
+pi0_status gemm_side(gemm_context *ctx, cudaStream_t side, pi0_error *err) {
+    if (cudaMalloc(&ctx->side_workspace, ctx->workspace_size) != cudaSuccess) {
+        cudaGetLastError();
+        ctx->side_workspace = NULL;
+        return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate the side stream's cuBLASLt workspace");
+    }
+    ctx->side = side;
+    return PI0_OK;
+}
+
 void gemm_free(gemm_context *ctx) {
     if (ctx->workspace) cudaFree(ctx->workspace);
+    if (ctx->side_workspace) cudaFree(ctx->side_workspace);
     if (ctx->lt) cublasLtDestroy(ctx->lt);
     if (ctx->scratch) cudaFree(ctx->scratch);
     free(ctx->algos);
@@ -123,8 +134,9 @@ static void *scratch_for(gemm_context *ctx, size_t bytes) {
 /* out = the call's product by `algo` (out is the call's own output, or the tuner's scratch). */
 static cublasStatus_t matmul(gemm_context *ctx, const gemm_descs *d, const gemm_args *a, const cublasLtMatmulAlgo_t *algo,
                              void *out, cudaStream_t stream) {
+    void *workspace = ctx->side_workspace && stream == ctx->side ? ctx->side_workspace : ctx->workspace;
     return cublasLtMatmul(ctx->lt, d->op, &a->alpha, a->w, d->w, a->x, d->x, &a->beta, out, d->out, out, d->out, algo,
-                          ctx->workspace, ctx->workspace_size, stream);
+                          workspace, ctx->workspace_size, stream);
 }
 
 /* Mean GPU time of TUNE_REPS runs of one candidate into `out`, or a negative value if it fails. One untimed run

@@ -36,6 +36,8 @@ typedef struct {
     cublasLtHandle_t lt;
     void *workspace;
     size_t workspace_size;
+    cudaStream_t side;      /* GEMMs on this stream use side_workspace (gemm_side): they may run beside the others */
+    void *side_workspace;
     gemm_algo_entry *algos; /* shape -> algorithm cache */
     int num_algos, cap_algos;
     void *scratch;          /* timing output, so tuning never touches the real one */
@@ -44,6 +46,9 @@ typedef struct {
 } gemm_context;
 
 pi0_status gemm_init(gemm_context *ctx, pi0_error *err);
+/* A second workspace for the GEMMs enqueued on `side`, which may run concurrently with those on other streams (the
+ * algorithm cache is shared: tune a shape outside such concurrency, e.g. in an eager call). */
+pi0_status gemm_side(gemm_context *ctx, cudaStream_t side, pi0_error *err);
 void gemm_free(gemm_context *ctx);
 pi0_status gemm_run(gemm_context *ctx, const gemm_args *a, cudaStream_t stream, pi0_error *err);
 

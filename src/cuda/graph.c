@@ -553,6 +553,7 @@ static pi0_status cuda_init(pi0_model *m, pi0_error *err) {
     s->max_graphs = max_env && atoi(max_env) > 0 ? atoi(max_env) : MAX_GRAPHS;
     pi0_status st = streams_init(s, m, err);
     if (!st) st = gemm_init(&s->gemm, err);
+    if (!st && s->side) st = gemm_side(&s->gemm, s->side, err);
     if (!st) st = cuda_weights_upload(s, m, err);
     if (st) cuda_release(m);
     return st;

@@ -356,13 +356,15 @@ TEST(graph_replay_equals_eager_and_repeats) {
     io_close(&f);
 }
 
-/* The first denoise step beside the prefix (forward.c's first_step_beside: one sample on the skinny path) gives, bit
+/* The first denoise step beside the prefix (forward.c's first_step_beside: in a graph, up to 64 suffix rows) gives, bit
  * for bit, the actions of the same model with it off (PI0_BESIDE=0): the same kernels on the same data, so a
  * difference is a missing dependency (an expert layer reading its LLM layer's K/V before they are written, or step 1
  * starting before step 0 ends). Each call has new images and a new prompt, so that K/V left in the cache by the call
- * before are wrong ones; two prompt lengths in turn, so that each shape's graph runs eagerly once and then replays. */
-static void beside_equals_serial(pi0_dims dims) {
-    dims.action_horizon = 10; /* the skinny path's rows */
+ * before are wrong ones; two prompt lengths in turn, so that each shape runs eagerly (not beside) and then replays its
+ * graph (beside). B samples at horizon H: one at 10 is the skinny path, two at 10 and one at 50 the cuBLASLt GEMMs
+ * around it or everywhere (the side stream's own workspace). */
+static void beside_equals_serial(pi0_dims dims, int B, int H) {
+    dims.action_horizon = H;
     pi0_options opts = {.backend = PI0_BACKEND_CUDA};
     pi0_model *beside = NULL, *serial = NULL;
     pi0_error err = {0};
@@ -375,24 +377,25 @@ static void beside_equals_serial(pi0_dims dims) {
     CHECK(((cuda_state *)beside->backend_state)->side && !((cuda_state *)serial->backend_state)->side,
           "PI0_BESIDE does not switch the side stream");
     enum { P = 40 };
-    int H = dims.action_horizon, A = dims.action_dim;
-    size_t image = (size_t)dims.image_size * dims.image_size * 3, n = (size_t)H * A;
-    float *imgs[3], *state = malloc(A * 4), *noise = malloc(n * 4), *got = malloc(n * 4), *ref = malloc(n * 4);
+    int A = dims.action_dim;
+    size_t image = (size_t)B * dims.image_size * dims.image_size * 3, n = (size_t)B * H * A;
+    float *imgs[3], *state = malloc(B * A * 4), *noise = malloc(n * 4), *got = malloc(n * 4), *ref = malloc(n * 4);
     const float *ptrs[3];
-    uint8_t masks[3] = {1, 1, 0}, id_mask[P];
-    int32_t ids[P];
+    uint8_t masks[2 * 3] = {1, 1, 0, 1, 0, 1}, id_mask[2 * P];
+    int32_t ids[2 * P];
     for (int c = 0; c < 3; c++) ptrs[c] = imgs[c] = malloc(image * sizeof(float));
-    pi0_batch one = {.batch = 1, .num_cameras = 3, .images = ptrs, .image_masks = masks, .prompt_len = P,
-                     .prompt_ids = ids, .prompt_mask = id_mask, .state = state, .horizon = H, .noise = noise,
-                     .num_steps = 10};
+    pi0_batch batch = {.batch = B, .num_cameras = 3, .images = ptrs, .image_masks = masks, .prompt_len = P,
+                       .prompt_ids = ids, .prompt_mask = id_mask, .state = state, .horizon = H, .noise = noise,
+                       .num_steps = 10};
     for (int call = 0; call < 6; call++) {
         for (int c = 0; c < 3; c++) fill_uniform(imgs[c], image, 1.0f);
-        for (int i = 0; i < P; i++) ids[i] = (int32_t)((gpu_uniform() + 1) * 0.499f * dims.vocab_size), id_mask[i] = i < P - call % 2;
-        fill_uniform(state, A, 1.0f), fill_uniform(noise, n, 1.5f);
-        REQUIRE(pi0_sample_actions(serial, &one, ref, NULL, &err) == PI0_OK, "%s", err.message);
-        REQUIRE(pi0_sample_actions(beside, &one, got, NULL, &err) == PI0_OK, "%s", err.message);
-        CHECK(memcmp(got, ref, n * 4) == 0, "%s call %d: beside differs from serial (rel %.3g)",
-              pi0_model_kind_name(dims.kind), call, rel_error(got, ref, n));
+        for (int i = 0; i < B * P; i++)
+            ids[i] = (int32_t)((gpu_uniform() + 1) * 0.499f * dims.vocab_size), id_mask[i] = i % P < P - call % 2;
+        fill_uniform(state, B * A, 1.0f), fill_uniform(noise, n, 1.5f);
+        REQUIRE(pi0_sample_actions(serial, &batch, ref, NULL, &err) == PI0_OK, "%s", err.message);
+        REQUIRE(pi0_sample_actions(beside, &batch, got, NULL, &err) == PI0_OK, "%s", err.message);
+        CHECK(memcmp(got, ref, n * 4) == 0, "%s B %d H %d call %d: beside differs from serial (rel %.3g)",
+              pi0_model_kind_name(dims.kind), B, H, call, rel_error(got, ref, n));
     }
     const cuda_state *with = beside->backend_state, *without = serial->backend_state;
     CHECK(with->num_graphs == 2 && without->num_graphs == 2, "a graph per prompt length");
@@ -415,9 +418,18 @@ static pi0_dims small_dims(pi0_model_kind kind) {
     return d;
 }
 
-TEST(first_step_beside_prefix_pi0) { beside_equals_serial(small_dims(PI0_MODEL_PI0)); }
-TEST(first_step_beside_prefix_pi05) { beside_equals_serial(small_dims(PI0_MODEL_PI05)); }
-TEST(first_step_beside_prefix_full_size) { beside_equals_serial(pi0_dims_pi0()); }
+TEST(first_step_beside_prefix_pi0) {
+    beside_equals_serial(small_dims(PI0_MODEL_PI0), 1, 10);
+    beside_equals_serial(small_dims(PI0_MODEL_PI0), 2, 10);
+}
+TEST(first_step_beside_prefix_pi05) {
+    beside_equals_serial(small_dims(PI0_MODEL_PI05), 1, 10);
+    beside_equals_serial(small_dims(PI0_MODEL_PI05), 1, 50);
+}
+TEST(first_step_beside_prefix_full_size) {
+    beside_equals_serial(pi0_dims_pi0(), 1, 10);
+    beside_equals_serial(pi0_dims_pi0(), 1, 50);
+}
 
 /* More shapes than the cache holds (PI0_CUDA_MAX_GRAPHS=4), alternating step counts and batch sizes (the
  * workspace grows, dropping the graphs made so far): each result stays what it was the first time. */
