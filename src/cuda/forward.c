@@ -348,7 +348,7 @@ static pi0_status state_token(cuda_state *s, const pi0_model *m, cuda_graph *g, 
  * small kernels, which leaves most of the GPU idle (bench/NOTES.md), takes the multiprocessors the prefix leaves
  * idle (its attention on half of them, the norms, RoPE, gelu x up, each GEMM's last wave) rather than running
  * after it. Each layer's first kernel follows its wait with a plain launch: stream capture makes the edge from the
- * prefix's RoPE kernel programmatic otherwise, and the attention two kernels on reads those keys before its own
+ * prefix's RoPE kernel programmatic otherwise, and the attention, two kernels on, reads those keys before its own
  * wait (attention.h). Joined back before step 1, whose first kernel is a plain one too. Its cuBLASLt GEMMs (past
  * the skinny path's rows) have a workspace of their own (gemm_side). In a graph only: the eager first call of a
  * shape, which times each GEMM shape's candidates, runs them alone. Up to BESIDE_MAX_ROWS suffix rows: a larger
