@@ -360,6 +360,8 @@ static int first_step_beside(const cuda_state *s, const cuda_graph *g) {
     return cudaStreamIsCapturing(s->stream, &capturing) == cudaSuccess && capturing == cudaStreamCaptureStatusActive;
 }
 
+/* Enqueues step 0 on the side stream (every function above enqueues on s->stream, so it is swapped for the side's
+ * while they run) and joins the side stream back into the main one. */
 static pi0_status run_first_step_beside(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
     cudaStream_t main = s->stream;
     s->stream = s->side;

@@ -469,7 +469,6 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
         pi0_status st = cuda_forward(s, m, g, err);
         if (st) {
             cudaStreamSynchronize(s->stream);
-            if (s->side) cudaStreamSynchronize(s->side); /* a failed pass may have left it unjoined */
             cudaGetLastError();
             return st;
         }
