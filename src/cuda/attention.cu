@@ -536,7 +536,10 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
     const int rank = (int)blockIdx.x % split; /* = the block's rank in its cluster (cluster dims (split, 1, 1)) */
     const int r_begin = (int)blockIdx.x / split * kRows;
     /* uniform per block, and per cluster: all its blocks share the segment and the row tile */
-    if (seg.num_q <= 0 || seg.num_k <= 0 || r_begin >= rows_total) return;
+    if (seg.num_q <= 0 || seg.num_k <= 0 || r_begin >= rows_total) {
+        pdl_wait(); /* a dependent's end implies its predecessors' (device.cuh) */
+        return;
+    }
 
     uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem);
     uint16_t *sK = sQ + C::TILE;
@@ -559,10 +562,6 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
     /* The pad columns [hd, HDP) of all three tiles (contiguous rows) are zeros. */
     if (PADDED || C::HDP > HD) zero_pad_columns<HD>(sQ, kRows + 2 * KEYS, chunks, tid, kThreads);
 
-    /* Q tile: virtual row r -> token r / G, head kvh * G + r % G; rows past the segment are zeros. */
-    copy_q_rows<false>(sQ, C::LDS, qbase, p.ldq, hd, G, r_begin, kRows, rows_total, chunks, tid, kThreads, vec_q);
-    cp_async_commit();
-
     auto load_kv = [&](uint16_t *dst, const uint16_t *base, int key0) {
         for (int i = tid; i < KEYS * chunks; i += kThreads) {
             const int r = i / chunks, c = i % chunks, key = key0 + r;
@@ -571,11 +570,27 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
         }
     };
     /* This block's key tiles: rank, rank + split, ... (all of them without a split). The first tile's V streams in
-     * behind its K (a later tile's V follows the wait for its K: the buffer is free only then). */
-    if (rank < n_tiles) load_kv(sK, kbase, rank * KEYS);
+     * behind its K (a later tile's V follows the wait for its K: the buffer is free only then). Launched as a
+     * dependent (pi0_cuda_attention_ws), a first tile of keys before the segment's last num_q streams in before the
+     * wait (attention.h); Q and the other keys are the previous kernel's output. */
+    const bool preloaded = rank < n_tiles && (rank + 1) * KEYS <= num_k - seg.num_q;
+    if (preloaded) {
+        load_kv(sK, kbase, rank * KEYS);
+        cp_async_commit();
+        load_kv(sV, vbase, rank * KEYS);
+        cp_async_commit();
+    }
+    pdl_wait();
+
+    /* Q tile: virtual row r -> token r / G, head kvh * G + r % G; rows past the segment are zeros. */
+    copy_q_rows<false>(sQ, C::LDS, qbase, p.ldq, hd, G, r_begin, kRows, rows_total, chunks, tid, kThreads, vec_q);
     cp_async_commit();
-    if (rank < n_tiles) load_kv(sV, vbase, rank * KEYS);
-    cp_async_commit();
+    if (!preloaded) {
+        if (rank < n_tiles) load_kv(sK, kbase, rank * KEYS);
+        cp_async_commit();
+        if (rank < n_tiles) load_kv(sV, vbase, rank * KEYS);
+        cp_async_commit();
+    }
 
     /* Per-lane ldmatrix addresses (bytes, shared space). */
     const int lrow = lane & 7, lsel1 = (lane >> 3) & 1, lsel2 = lane >> 4;
@@ -599,7 +614,7 @@ __device__ __forceinline__ void attention_tiles(const AttnParams &p) {
 
     for (int j = rank; j < n_tiles; j += split) {
         const int key0 = j * KEYS;
-        if (j == rank) cp_async_wait_one(); /* K(j) (and Q) landed for this thread ... */
+        if (j == rank && !preloaded) cp_async_wait_one(); /* K(j) (and Q) landed for this thread ... */
         else cp_async_wait_all();
         __syncthreads(); /* ... and for all; every warp is also done with V(j-1) */
         if (j != rank) {
@@ -697,7 +712,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int G = p.group, split = p.split;
     const int rows_total = seg.num_q * G;
     const int rank = (int)blockIdx.x % split, r_begin = (int)blockIdx.x / split * kRows;
-    if (seg.num_q <= 0 || seg.num_k <= 0 || r_begin >= rows_total) return; /* uniform per cluster */
+    if (seg.num_q <= 0 || seg.num_k <= 0 || r_begin >= rows_total) { /* uniform per cluster */
+        pdl_wait(); /* a dependent's end implies its predecessors' (device.cuh) */
+        return;
+    }
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wg = tid / kThreads, wtid = tid % kThreads, wwarp = warp % 4; /* warpgroup; its thread and warp */
@@ -711,14 +729,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const uint32_t raw = smem_addr(attn_smem), q_tile = (raw + 1023) & ~1023u, ring = q_tile + kTileBytes;
     const uint32_t bars = ring + kStages * 2 * kTileBytes;
     uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem + (q_tile - raw));
-    if (tid == 0) {
-        for (int i = 0; i < kStages; i++) mbar_init(bars + 8 * i, 1);
-        mbar_init_fence();
-    }
-    copy_q_rows<true>(sQ, kRows * 64, p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * HD, p.ldq, HD, G, r_begin,
-                      kRows, rows_total, chunks, tid, kWgThreads, p.vec_q != 0);
-    cp_async_commit();
-    __syncthreads(); /* the barriers are initialized before a copy signals one or a thread waits on one */
 
     /* The first key of the block's i-th tile: tile rank + i split, or for a last tile that would run past num_k
      * the 64 keys that end at num_k (negative rows, before the tensor, arrive as zeros; all are masked). */
@@ -736,8 +746,24 @@ __global__ void __launch_bounds__(kWgThreads, 1)
             tma_load_2d(dk + kTileBytes + b * kBlockBytes, &v_map, kvh * HD + b * 64, y, bar);
         }
     };
+    /* Launched as a dependent (pi0_cuda_attention_ws), the tiles of keys before the segment's last num_q stream in
+     * before the wait (attention.h); Q and the other keys are the previous kernel's output. */
+    const int early_keys = num_k - seg.num_q;
+    int issued = 0; /* thread 0's */
+    if (tid == 0) {
+        for (int i = 0; i < kStages; i++) mbar_init(bars + 8 * i, 1);
+        mbar_init_fence();
+        for (; issued < kStages && issued < my_tiles && tile_key0(issued) >= 0 && tile_key0(issued) + kKeys <= early_keys;
+             issued++)
+            load_tile(issued);
+    }
+    pdl_wait();
+    copy_q_rows<true>(sQ, kRows * 64, p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * HD, p.ldq, HD, G, r_begin,
+                      kRows, rows_total, chunks, tid, kWgThreads, p.vec_q != 0);
+    cp_async_commit();
+    __syncthreads(); /* the barriers are initialized before a thread waits on one */
     if (tid == 0)
-        for (int i = 0; i < kStages && i < my_tiles; i++) load_tile(i);
+        for (int i = issued; i < kStages && i < my_tiles; i++) load_tile(i);
     cp_async_wait_all(); /* this thread's Q copies landed, */
     fence_proxy_async(); /* visible to the products, */
     __syncthreads();     /* and every thread's */
@@ -972,7 +998,8 @@ int choose_split(const DeviceInfo &d, long long base_blocks, int head_dim, int c
 }
 
 template <int HD, bool PADDED, bool WG, int KEYS = kKeys>
-cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int num_kv_heads, cudaStream_t stream) {
+cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int num_kv_heads, bool dependent,
+                   cudaStream_t stream) {
     DeviceInfo d;
     cudaError_t e = configure<HD, PADDED, WG, KEYS>(&d);
     if (e != cudaSuccess) return e;
@@ -991,9 +1018,14 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
         p.split = split;
         const int n = num_segments - first < kMaxZ ? num_segments - first : kMaxZ;
         dim3 grid((unsigned)(row_tiles * split), (unsigned)num_kv_heads, (unsigned)n);
-        cudaLaunchAttribute attr;
-        cudaLaunchConfig_t cfg = cluster_config<HD, WG, KEYS>(grid, split, stream, &attr);
-        if (split == 1) cfg.numAttrs = 0; /* a plain launch */
+        cudaLaunchAttribute attrs[2];
+        cudaLaunchConfig_t cfg = cluster_config<HD, WG, KEYS>(grid, split, stream, attrs);
+        if (split == 1) cfg.numAttrs = 0; /* no cluster */
+        if (dependent && first == 0 && pdl_supported()) { /* after the kernel that wrote Q (attention.h) */
+            attrs[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            attrs[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+            cfg.numAttrs++;
+        }
         if constexpr (WG) e = cudaLaunchKernelEx(&cfg, attention_wg_kernel<HD>, p, k_map, v_map);
         else e = cudaLaunchKernelEx(&cfg, attention_kernel<HD, PADDED, KEYS>, p);
         if (e != cudaSuccess) return e;
@@ -1004,13 +1036,14 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
 /* Head dim 72 (the ViT): the 256-key tile while the grid fits the GPU in one wave (two blocks an SM: 1-4 images,
  * where a block's chain of tiles is the time; 9.8 -> 8.2 us a layer at 2), the 64-key tiles beyond (batches, where
  * four blocks an SM keep more warps busy: the 256-key tile took vision +2-4% at 8-128 images). */
-cudaError_t launch_vit(const AttnParams &p, int num_segments, int row_tiles, int num_kv_heads, cudaStream_t stream) {
+cudaError_t launch_vit(const AttnParams &p, int num_segments, int row_tiles, int num_kv_heads, bool dependent,
+                       cudaStream_t stream) {
     DeviceInfo d;
     const cudaError_t e = configure<72, false, false, 256>(&d);
     if (e != cudaSuccess) return e;
     if ((long long)row_tiles * num_kv_heads * num_segments <= (long long)d.sms * d.blocks_per_sm)
-        return launch<72, false, false, 256>(p, num_segments, row_tiles, num_kv_heads, stream);
-    return launch<72, false, false>(p, num_segments, row_tiles, num_kv_heads, stream);
+        return launch<72, false, false, 256>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
+    return launch<72, false, false>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
 }
 
 bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
@@ -1278,19 +1311,11 @@ extern "C" size_t pi0_cuda_attention_workspace(int num_segments, int num_kv_head
     return decode_workspace_bytes(num_segments * num_kv_heads, head_dim);
 }
 
-extern "C" cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
-                                          const pi0_bf16 *v, int ldkv, const attn_segment *segments,
-                                          int num_segments, int max_num_q, int num_heads, int num_kv_heads,
-                                          int head_dim, float scale, cudaStream_t stream) {
-    return pi0_cuda_attention_ws(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, num_heads,
-                                 num_kv_heads, head_dim, scale, NULL, 0, stream);
-}
-
-extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
-                                             const pi0_bf16 *v, int ldkv, const attn_segment *segments,
-                                             int num_segments, int max_num_q, int num_heads, int num_kv_heads,
-                                             int head_dim, float scale, float *workspace, size_t workspace_bytes,
-                                             cudaStream_t stream) {
+/* Both entry points: `dependent` launches every kernel as a programmatic dependent (pi0_cuda_attention_ws). */
+static cudaError_t attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k, const pi0_bf16 *v,
+                             int ldkv, const attn_segment *segments, int num_segments, int max_num_q, int num_heads,
+                             int num_kv_heads, int head_dim, float scale, float *workspace, size_t workspace_bytes,
+                             bool dependent, cudaStream_t stream) {
     if (head_dim <= 0 || head_dim % 8 || head_dim > PI0_CUDA_ATTN_MAX_HEAD_DIM) return cudaErrorInvalidValue;
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_kv_heads > 65535)
         return cudaErrorInvalidValue;
@@ -1336,15 +1361,32 @@ extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_b
         }
     }
     switch (kernel_head_dim(head_dim)) {
-    case 64: return launch<64, true, false>(p, num_segments, row_tiles, num_kv_heads, stream);
-    case 72: return launch_vit(p, num_segments, row_tiles, num_kv_heads, stream);
-    case 128: return launch<128, true, false>(p, num_segments, row_tiles, num_kv_heads, stream);
+    case 64: return launch<64, true, false>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
+    case 72: return launch_vit(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
+    case 128: return launch<128, true, false>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
     default:
-        if (head_dim != 256) return launch<256, true, false>(p, num_segments, row_tiles, num_kv_heads, stream);
+        if (head_dim != 256) return launch<256, true, false>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
         if (use_wgmma() && p.vec_kv) { /* the tensor copies need 16-byte aligned rows */
-            const cudaError_t e = launch<256, false, true>(p, num_segments, row_tiles, num_kv_heads, stream);
+            const cudaError_t e = launch<256, false, true>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
             if (e != cudaErrorNotSupported) return e; /* not supported: no tensor maps in this driver */
         }
-        return launch<256, false, false>(p, num_segments, row_tiles, num_kv_heads, stream);
+        return launch<256, false, false>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
     }
+}
+
+extern "C" cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
+                                          const pi0_bf16 *v, int ldkv, const attn_segment *segments,
+                                          int num_segments, int max_num_q, int num_heads, int num_kv_heads,
+                                          int head_dim, float scale, cudaStream_t stream) {
+    return attention(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, num_heads, num_kv_heads, head_dim,
+                     scale, NULL, 0, false, stream);
+}
+
+extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
+                                             const pi0_bf16 *v, int ldkv, const attn_segment *segments,
+                                             int num_segments, int max_num_q, int num_heads, int num_kv_heads,
+                                             int head_dim, float scale, float *workspace, size_t workspace_bytes,
+                                             cudaStream_t stream) {
+    return attention(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, num_heads, num_kv_heads, head_dim,
+                     scale, workspace, workspace_bytes, true, stream);
 }

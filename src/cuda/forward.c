@@ -42,7 +42,7 @@ typedef struct {
     float *x;
     pi0_bf16 *x_bf16; /* x rounded to bf16, kept by the skinny path; NULL: the stack has no skinny path */
     const gemma_buffers *b;
-    float *attn_ws;   /* attention workspace (NULL: none) */
+    float *attn_ws;   /* attention workspace (NULL: none, the prefix: see gemma_block) */
     size_t attn_ws_bytes;
     cudaEvent_t kv_written; /* recorded once the layer's K/V are in the cache (NULL: none) */
     int after_wait;         /* the block's first kernel follows a wait on another stream (skinny_args.plain_launch) */
@@ -130,9 +130,17 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
                                cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
     if (r->kv_written) CUDA_TRY(cudaEventRecord(r->kv_written, s->stream));
     if (kv_only) return PI0_OK;
-    CUDA_TRY(pi0_cuda_attention_ws(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
-                                   r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
-                                   r->attn_ws, r->attn_ws_bytes, s->stream));
+    /* A denoise step's attention (it has a workspace) launches as a dependent of RoPE and loads the prefix's keys
+     * before its wait. The prefix's has no key to load early; as a dependent it gained nothing measurable (bench/NOTES.md,
+     * session 20), so it launches plainly. */
+    if (r->attn_ws)
+        CUDA_TRY(pi0_cuda_attention_ws(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
+                                       r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd,
+                                       1.0f / sqrtf((float)hd), r->attn_ws, r->attn_ws_bytes, s->stream));
+    else
+        CUDA_TRY(pi0_cuda_attention(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
+                                    r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
+                                    s->stream));
     TRY(block_residual(s, r, r->b->att, l->o_w, W, q_dim, mods ? &mods->attn : NULL, err));
     TRY(block_norm(s, r, W, l->post_norm, mods ? &mods->mlp : NULL, err));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->b->h, .w = l->gate_up_w, .out = r->b->mlp2,

@@ -198,6 +198,7 @@ static __device__ __forceinline__ void rope_pairs4(const __nv_bfloat16 *head, in
 static __global__ void rope_qkv_kernel(__nv_bfloat16 *qkv, int heads, int kv_heads, int head_dim, const int *positions,
                                        const int *cache_rows, __nv_bfloat16 *cache_k, __nv_bfloat16 *cache_v,
                                        const float *rope_cos, const float *rope_sin, int vec) {
+    pdl_trigger(); /* the attention after it may launch (and load the keys it did not write) while it runs */
     int half = head_dim / 2, kv_dim = kv_heads * head_dim;
     __nv_bfloat16 *row = qkv + (size_t)blockIdx.x * (heads + 2 * kv_heads) * head_dim;
     const float *c = rope_cos + (size_t)positions[blockIdx.x] * half, *s = rope_sin + (size_t)positions[blockIdx.x] * half;
