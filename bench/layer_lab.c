@@ -135,7 +135,7 @@ static void enqueue(lab *L, op o, int layer) {
         CK(pi0_cuda_attention_ws(L->att, HEADS * HEAD_DIM, L->qkv, QKV, L->cache_k, L->cache_v, HEAD_DIM, L->segment, 1,
                                  m, HEADS, 1, HEAD_DIM, 1.0f / 16.0f, L->attn_ws, L->attn_ws_bytes, st));
         break;
-    case OP_NORM: CK(pi0_cuda_rmsnorm(L->h, L->x, NULL, m, WIDTH, NULL, 1e-6f, st)); break;
+    case OP_NORM: CK(pi0_cuda_rmsnorm(L->h, L->x, NULL, m, WIDTH, NULL, 1e-6f, 0, st)); break;
     case OP_GELU: CK(pi0_cuda_gelu_mul(L->mlp, L->mlp2, m, MLP, st)); break;
     case OP_LAYER: {
         static const op seq[] = {OP_QKV_ROPE, OP_ATTENTION, OP_O, OP_GATE_UP, OP_DOWN};

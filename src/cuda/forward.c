@@ -97,9 +97,10 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
 }
 
 /* The norm before a Linear into b->h: plain RMSNorm with (1 + w) (w NULL: folded away), or adaptive. */
-static pi0_status block_norm(cuda_state *s, const gemma_rows *r, int W, const float *w, const norm_mod *mod, pi0_error *err) {
-    if (mod) CUDA_TRY(pi0_cuda_rmsnorm_mod(r->b->h, r->x, NULL, r->rows, W, mod->scale, mod->shift, NORM_EPS, s->stream));
-    else CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, w, NORM_EPS, s->stream));
+static pi0_status block_norm(cuda_state *s, const gemma_rows *r, int W, const float *w, const norm_mod *mod, int plain,
+                             pi0_error *err) {
+    if (mod) CUDA_TRY(pi0_cuda_rmsnorm_mod(r->b->h, r->x, NULL, r->rows, W, mod->scale, mod->shift, NORM_EPS, plain, s->stream));
+    else CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, w, NORM_EPS, plain, s->stream));
     return PI0_OK;
 }
 
@@ -124,7 +125,7 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
     /* a few rows: the skinny Linears, where the dims allow them; else cuBLASLt and the separate kernels below */
     if (r->x_bf16 && !kv_only && skinny_fits(s, d, r->rows))
         return gemma_block_skinny(s, l, d, r, cache_k, cache_v, mods, err);
-    TRY(block_norm(s, r, W, l->input_norm, mods ? &mods->attn : NULL, err));
+    TRY(block_norm(s, r, W, l->input_norm, mods ? &mods->attn : NULL, r->after_wait, err));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_rope_qkv(r->b->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
                                cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
@@ -142,7 +143,7 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
                                     r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
                                     s->stream));
     TRY(block_residual(s, r, r->b->att, l->o_w, W, q_dim, mods ? &mods->attn : NULL, err));
-    TRY(block_norm(s, r, W, l->post_norm, mods ? &mods->mlp : NULL, err));
+    TRY(block_norm(s, r, W, l->post_norm, mods ? &mods->mlp : NULL, 0, err));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->b->h, .w = l->gate_up_w, .out = r->b->mlp2,
                             .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_gelu_mul(r->b->mlp, r->b->mlp2, r->rows, d->mlp_dim, s->stream));
@@ -291,8 +292,8 @@ static pi0_status euler_update(cuda_state *s, const pi0_model *m, cuda_graph *g,
     }
     if (pi05)
         CUDA_TRY(pi0_cuda_rmsnorm_mod(g->final_h, g->suffix, g->in.action_rows, BH, We, mod_part(g, We, 2 * d->depth, 0, step),
-                                      mod_part(g, We, 2 * d->depth, 1, step), NORM_EPS, s->stream));
-    else CUDA_TRY(pi0_cuda_rmsnorm(g->final_h, g->suffix, g->in.action_rows, BH, We, w->expert_norm, NORM_EPS, s->stream));
+                                      mod_part(g, We, 2 * d->depth, 1, step), NORM_EPS, 0, s->stream));
+    else CUDA_TRY(pi0_cuda_rmsnorm(g->final_h, g->suffix, g->in.action_rows, BH, We, w->expert_norm, NORM_EPS, 0, s->stream));
     return gemm(s, (gemm_args){.m = BH, .n = A, .k = We, .x = g->final_h, .w = w->action_out_w, .bias = g->tables->out_bias,
                                .out = g->in.x_t, .out_f32 = 1, .alpha = -1.0f / (float)g->shape.num_steps, .beta = 1},
                 err);

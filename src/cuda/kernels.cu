@@ -105,6 +105,8 @@ static __global__ void layernorm_kernel(__nv_bfloat16 *out, const float *in, int
  * a factor of 1 (the weight folded into the next Linear). */
 static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const int *in_rows, int dim, const float *w,
                                       const float *shift, float eps, int in_registers) {
+    pdl_trigger(); /* a dependent at few rows (launch_for_rows) */
+    pdl_wait();
     int row = in_rows ? in_rows[blockIdx.x] : (int)blockIdx.x;
     const float *x = in + (size_t)row * dim;
     out += (size_t)blockIdx.x * dim;
@@ -147,6 +149,8 @@ static __global__ void weight_rows_kernel(uint16_t *dst, size_t pitch, const voi
 }
 
 static __global__ void add_gated_kernel(float *x, const float *y, const float *gate, size_t n, int dim) {
+    pdl_trigger();
+    pdl_wait();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         x[i] += gate[i % dim] * y[i];
 }
@@ -155,6 +159,8 @@ static __global__ void add_gated_kernel(float *x, const float *y, const float *g
  * the flat (rows, mlp) array reads the flat input pair 2i, 2i + 1 whatever the row. Four outputs a
  * thread with one 16-byte load and one 8-byte store when the buffers allow it (vec4). */
 static __global__ void gelu_mul_kernel(__nv_bfloat16 *out, const __nv_bfloat16 *in, size_t n, int vec4) {
+    pdl_trigger();
+    pdl_wait();
     size_t stride = (size_t)gridDim.x * blockDim.x, i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (vec4) {
         for (; 4 * i < n; i += stride) {
@@ -199,6 +205,7 @@ static __global__ void rope_qkv_kernel(__nv_bfloat16 *qkv, int heads, int kv_hea
                                        const int *cache_rows, __nv_bfloat16 *cache_k, __nv_bfloat16 *cache_v,
                                        const float *rope_cos, const float *rope_sin, int vec) {
     pdl_trigger(); /* the attention after it may launch (and load the keys it did not write) while it runs */
+    pdl_wait();
     int half = head_dim / 2, kv_dim = kv_heads * head_dim;
     __nv_bfloat16 *row = qkv + (size_t)blockIdx.x * (heads + 2 * kv_heads) * head_dim;
     const float *c = rope_cos + (size_t)positions[blockIdx.x] * half, *s = rope_sin + (size_t)positions[blockIdx.x] * half;
@@ -379,6 +386,19 @@ static unsigned grid_for(size_t n, int threads) {
     return (unsigned)(blocks < 4096 ? (blocks ? blocks : 1) : 4096);
 }
 
+/* Launches `kernel` over `grid` blocks of 256 threads for a call over `rows` rows: as a programmatic dependent up to
+ * PI0_CUDA_DEPENDENT_ROWS rows unless `plain` (kernels.h), plainly otherwise. Such a kernel triggers its own
+ * dependents and waits for its predecessors first thing. */
+static_assert(NORM_THREADS == 256, "the norms' blocks are launch_for_rows's");
+template <typename... Args>
+static cudaError_t launch_for_rows(void (*kernel)(Args...), unsigned grid, int rows, int plain, cudaStream_t stream,
+                                   Args... args) {
+    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t cfg = dependent_launch(dim3(grid), dim3(256), 0, stream, &attr);
+    if (plain || rows > PI0_CUDA_DEPENDENT_ROWS) cfg.numAttrs = 0;
+    return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 extern "C" {
 
 cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim, const float *w, const float *b,
@@ -390,15 +410,15 @@ cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim
 }
 
 cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *w,
-                             float eps, cudaStream_t stream) {
-    return pi0_cuda_rmsnorm_mod(out, in, in_rows, rows, dim, w, NULL, eps, stream);
+                             float eps, int plain_launch, cudaStream_t stream) {
+    return pi0_cuda_rmsnorm_mod(out, in, in_rows, rows, dim, w, NULL, eps, plain_launch, stream);
 }
 
 cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *scale,
-                                 const float *shift, float eps, cudaStream_t stream) {
+                                 const float *shift, float eps, int plain_launch, cudaStream_t stream) {
     if (rows > 0)
-        rmsnorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, in_rows, dim, scale, shift, eps,
-                                                         norm_in_registers(dim, in, out, scale, shift));
+        return launch_for_rows(rmsnorm_kernel, (unsigned)rows, rows, plain_launch, stream, as_bf16(out), in, in_rows, dim,
+                               scale, shift, eps, (int)norm_in_registers(dim, in, out, scale, shift));
     return cudaGetLastError();
 }
 
@@ -416,14 +436,16 @@ cudaError_t pi0_cuda_weight_rows(pi0_bf16 *dst, size_t pitch, const void *src, i
 
 cudaError_t pi0_cuda_add_gated(float *x, const float *y, const float *gate, int rows, int dim, cudaStream_t stream) {
     size_t n = (size_t)rows * dim;
-    if (n) add_gated_kernel<<<grid_for(n, 256), 256, 0, stream>>>(x, y, gate, n, dim);
+    if (n) return launch_for_rows(add_gated_kernel, grid_for(n, 256), rows, 0, stream, x, y, gate, n, dim);
     return cudaGetLastError();
 }
 
 cudaError_t pi0_cuda_gelu_mul(pi0_bf16 *out, const pi0_bf16 *in, int rows, int mlp, cudaStream_t stream) {
     size_t n = (size_t)rows * mlp;
     int vec4 = n % 4 == 0 && (uintptr_t)in % 16 == 0 && (uintptr_t)out % 8 == 0;
-    if (n) gelu_mul_kernel<<<grid_for(vec4 ? n / 4 : n, 256), 256, 0, stream>>>(as_bf16(out), as_bf16(in), n, vec4);
+    if (n)
+        return launch_for_rows(gelu_mul_kernel, grid_for(vec4 ? n / 4 : n, 256), rows, 0, stream, as_bf16(out), as_bf16(in),
+                               n, vec4);
     return cudaGetLastError();
 }
 
@@ -433,8 +455,8 @@ cudaError_t pi0_cuda_rope_qkv(pi0_bf16 *qkv, int rows, int heads, int kv_heads, 
     const int vec = head_dim % 8 == 0 && (uintptr_t)qkv % 16 == 0 && (uintptr_t)cache_k % 16 == 0 &&
                     (uintptr_t)cache_v % 16 == 0 && (uintptr_t)rope_cos % 16 == 0 && (uintptr_t)rope_sin % 16 == 0;
     if (rows > 0)
-        rope_qkv_kernel<<<rows, 256, 0, stream>>>(as_bf16(qkv), heads, kv_heads, head_dim, positions, cache_rows,
-                                                  as_bf16(cache_k), as_bf16(cache_v), rope_cos, rope_sin, vec);
+        return launch_for_rows(rope_qkv_kernel, (unsigned)rows, rows, 0, stream, as_bf16(qkv), heads, kv_heads, head_dim,
+                               positions, cache_rows, as_bf16(cache_k), as_bf16(cache_v), rope_cos, rope_sin, vec);
     return cudaGetLastError();
 }
 

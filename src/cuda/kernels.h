@@ -22,14 +22,25 @@ extern "C" {
 cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim, const float *w, const float *b,
                                float eps, cudaStream_t stream);
 
+/*
+ * The RMSNorm, gated-residual, GELU x up and RoPE launchers below launch as programmatic dependents (device.cuh)
+ * when the call covers at most PI0_CUDA_DEPENDENT_ROWS rows: a denoise step on the cuBLASLt path (horizon 50, a few
+ * samples), where each follows or precedes a GEMM of as few rows and its launch would otherwise be a full boundary
+ * (a layer at 51 rows 46.0 -> 45.4 us, bench/NOTES.md session 20). Larger calls (the prefix) launch plainly: there a
+ * dependent's blocks would wait on multiprocessors the GEMM before it still needs (session 4). `plain_launch` forces a
+ * plain launch: the first kernel after a wait on another stream's event, whose edge would otherwise be programmatic
+ * (the first denoise step beside the prefix, bench/NOTES.md session 19).
+ */
+#define PI0_CUDA_DEPENDENT_ROWS 64
+
 /* out row i (bf16) = RMSNorm(in row r) * (1 + w), r = in_rows ? in_rows[i] : i; w NULL: no weight
  * (it was folded into the next Linear). */
 cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *w,
-                             float eps, cudaStream_t stream);
+                             float eps, int plain_launch, cudaStream_t stream);
 
 /* The same with Pi0.5's adaptive norm: RMSNorm(in row) * (1 + scale) + shift (docs/model.md#adaptive-rmsnorm). */
 cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *scale,
-                                 const float *shift, float eps, cudaStream_t stream);
+                                 const float *shift, float eps, int plain_launch, cudaStream_t stream);
 
 /* out[i] = bf16(1 + scale[i]) for i < n: an adaptive norm's scale as the skinny Linears take it (skinny.h). */
 cudaError_t pi0_cuda_one_plus_bf16(pi0_bf16 *out, const float *scale, size_t n, cudaStream_t stream);

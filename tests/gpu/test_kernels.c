@@ -47,7 +47,7 @@ static void rmsnorm_case(int dim) {
     float *dx = dev_upload(x, n * 4), *dw = dev_upload(w, dim * 4);
     int *dmap = dev_upload(map, sizeof map);
     pi0_bf16 *dout = dev_poisoned((size_t)out_rows * dim * 2);
-    CUDA_OK(pi0_cuda_rmsnorm(dout, dx, dmap, out_rows, dim, dw, 1e-6f, 0));
+    CUDA_OK(pi0_cuda_rmsnorm(dout, dx, dmap, out_rows, dim, dw, 1e-6f, 0, 0));
     CUDA_OK(cudaDeviceSynchronize());
     float *got = download_bf16(dout, (size_t)out_rows * dim);
     CHECK(rel_error(got, ref, (size_t)out_rows * dim) <= TOL_BF16_OUT, "mapped rmsnorm, dim %d: %.3g", dim,
@@ -56,14 +56,14 @@ static void rmsnorm_case(int dim) {
     float *ref_all = malloc(n * 4);
     cpu_rmsnorm(ref_all, x, rows, dim, w, 1e-6f);
     pi0_bf16 *dall = dev_poisoned(n * 2);
-    CUDA_OK(pi0_cuda_rmsnorm(dall, dx, NULL, rows, dim, dw, 1e-6f, 0));
+    CUDA_OK(pi0_cuda_rmsnorm(dall, dx, NULL, rows, dim, dw, 1e-6f, 0, 0));
     CUDA_OK(cudaDeviceSynchronize());
     float *got_all = download_bf16(dall, n);
     CHECK(rel_error(got_all, ref_all, n) <= TOL_BF16_OUT, "rmsnorm, dim %d: %.3g", dim, rel_error(got_all, ref_all, n));
     /* no weight (folded into the next Linear): the oracle with w = 0, i.e. a factor 1 + 0 */
     float *zero = calloc(dim, 4);
     cpu_rmsnorm(ref_all, x, rows, dim, zero, 1e-6f);
-    CUDA_OK(pi0_cuda_rmsnorm(dall, dx, NULL, rows, dim, NULL, 1e-6f, 0));
+    CUDA_OK(pi0_cuda_rmsnorm(dall, dx, NULL, rows, dim, NULL, 1e-6f, 0, 0));
     CUDA_OK(cudaDeviceSynchronize());
     free(got_all);
     got_all = download_bf16(dall, n);
@@ -94,7 +94,7 @@ static void rmsnorm_mod_case(int dim) {
     float *dx = dev_upload(x, n * 4), *dscale = dev_upload(scale, dim * 4), *dshift = dev_upload(shift, dim * 4);
     int *dmap = dev_upload(map, sizeof map);
     pi0_bf16 *dout = dev_poisoned((size_t)out_rows * dim * 2);
-    CUDA_OK(pi0_cuda_rmsnorm_mod(dout, dx, dmap, out_rows, dim, dscale, dshift, 1e-6f, 0));
+    CUDA_OK(pi0_cuda_rmsnorm_mod(dout, dx, dmap, out_rows, dim, dscale, dshift, 1e-6f, 0, 0));
     CUDA_OK(cudaDeviceSynchronize());
     float *got = download_bf16(dout, (size_t)out_rows * dim);
     double e = rel_error(got, ref, (size_t)out_rows * dim);
