@@ -45,7 +45,7 @@ typedef struct {
     float *attn_ws;   /* attention workspace (NULL: none, the prefix: see gemma_block) */
     size_t attn_ws_bytes;
     cudaEvent_t kv_written; /* recorded once the layer's K/V are in the cache (NULL: none) */
-    int after_wait;         /* the block's first kernel follows a wait on another stream (skinny_args.plain_launch) */
+    int after_wait;         /* the block's first kernel follows a wait on another stream: launched plainly */
 } gemma_rows;
 
 /* What one of Pi0.5's adaptive norms makes of this step's time conditioning (docs/model.md#adaptive-rmsnorm):
@@ -96,11 +96,14 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
     return PI0_OK;
 }
 
-/* The norm before a Linear into b->h: plain RMSNorm with (1 + w) (w NULL: folded away), or adaptive. */
+/* The norm before a Linear into b->h: plain RMSNorm with (1 + w) (w NULL: folded away), or adaptive. `plain`: launched
+ * plainly (the block's first kernel after a wait on another stream, kernels.h). */
 static pi0_status block_norm(cuda_state *s, const gemma_rows *r, int W, const float *w, const norm_mod *mod, int plain,
                              pi0_error *err) {
-    if (mod) CUDA_TRY(pi0_cuda_rmsnorm_mod(r->b->h, r->x, NULL, r->rows, W, mod->scale, mod->shift, NORM_EPS, plain, s->stream));
-    else CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, w, NORM_EPS, plain, s->stream));
+    if (mod)
+        CUDA_TRY(pi0_cuda_rmsnorm_mod(r->b->h, r->x, NULL, r->rows, W, mod->scale, mod->shift, NORM_EPS, plain, s->stream));
+    else
+        CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, w, NORM_EPS, plain, s->stream));
     return PI0_OK;
 }
 
