@@ -1021,11 +1021,7 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
         cudaLaunchAttribute attrs[2];
         cudaLaunchConfig_t cfg = cluster_config<HD, WG, KEYS>(grid, split, stream, attrs);
         if (split == 1) cfg.numAttrs = 0; /* no cluster */
-        if (dependent && first == 0 && pdl_supported()) { /* after the kernel that wrote Q (attention.h) */
-            attrs[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attrs[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-            cfg.numAttrs++;
-        }
+        if (dependent && first == 0) make_dependent(&cfg, attrs); /* after the kernel that wrote Q (attention.h) */
         if constexpr (WG) e = cudaLaunchKernelEx(&cfg, attention_wg_kernel<HD>, p, k_map, v_map);
         else e = cudaLaunchKernelEx(&cfg, attention_kernel<HD, PADDED, KEYS>, p);
         if (e != cudaSuccess) return e;

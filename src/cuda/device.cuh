@@ -157,22 +157,33 @@ static inline int pdl_supported(void) {
     return major >= 9;
 }
 
-/* A cudaLaunchKernelEx configuration that launches as a programmatic dependent where the device takes
- * it (else a plain launch); `attr` must outlive it. Only for kernels that follow the rules above, and
- * only after kernels of our own: measured after cuBLASLt GEMMs it made the run slower (bench/NOTES.md). */
-static inline cudaLaunchConfig_t dependent_launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                                                  cudaLaunchAttribute *attr) {
+/* A plain cudaLaunchKernelEx configuration. */
+static inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
-    if (pdl_supported()) {
-        attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr->val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-    }
+    return cfg;
+}
+
+/* Makes `cfg` launch as a programmatic dependent where the device takes it (else it stays as it is), keeping the
+ * attributes it has: `attrs` holds them (cfg->numAttrs of them, or none) and has room for one more, and must outlive
+ * the config. Only for kernels that follow the rules above, and only after kernels of our own: measured after
+ * cuBLASLt GEMMs it made the run slower (bench/NOTES.md). */
+static inline void make_dependent(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attrs) {
+    if (!pdl_supported()) return;
+    attrs[cfg->numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[cfg->numAttrs].val.programmaticStreamSerializationAllowed = 1;
+    cfg->attrs = attrs;
+    cfg->numAttrs++;
+}
+
+/* launch_config made a programmatic dependent (make_dependent); `attr` must outlive it. */
+static inline cudaLaunchConfig_t dependent_launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                                  cudaLaunchAttribute *attr) {
+    cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream);
+    make_dependent(&cfg, attr);
     return cfg;
 }
 

@@ -394,8 +394,8 @@ template <typename... Args>
 static cudaError_t launch_for_rows(void (*kernel)(Args...), unsigned grid, int rows, int plain, cudaStream_t stream,
                                    Args... args) {
     cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = dependent_launch(dim3(grid), dim3(256), 0, stream, &attr);
-    if (plain || rows > PI0_CUDA_DEPENDENT_ROWS) cfg.numAttrs = 0;
+    cudaLaunchConfig_t cfg = launch_config(dim3(grid), dim3(256), 0, stream);
+    if (!plain && rows <= PI0_CUDA_DEPENDENT_ROWS) make_dependent(&cfg, &attr);
     return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 

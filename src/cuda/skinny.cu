@@ -345,8 +345,8 @@ cudaError_t launch_as(const SkinnyParams &p, int warps, bool plain, cudaStream_t
     const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 16 * R - 1) / (16 * R)));
     const size_t smem = (size_t)warps * 16 * R * (8 * NT + 1) * sizeof(float);
     cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = dependent_launch(grid, dim3((unsigned)warps * 32), smem, stream, &attr);
-    if (plain) cfg.numAttrs = 0;
+    cudaLaunchConfig_t cfg = launch_config(grid, dim3((unsigned)warps * 32), smem, stream);
+    if (!plain) make_dependent(&cfg, &attr);
     return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, C, R, SCALE>, p);
 }
 
