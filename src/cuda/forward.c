@@ -21,6 +21,10 @@
 #include "util/error.h"
 
 #define BESIDE_MAX_ROWS 64 /* first_step_beside */
+#define PREFIX_DOWN_PARTS 2 /* stack_parts */
+#define PREFIX_PARTS_MAX_ROWS 1024
+#define EXPERT_PARTS 4
+#define EXPERT_PARTS_MAX_ROWS 192
 
 static pi0_status gemm(cuda_state *s, gemm_args a, pi0_error *err) {
     return gemm_run(&s->gemm, &a, s->stream, err);
@@ -46,6 +50,9 @@ typedef struct {
     size_t attn_ws_bytes;
     cudaEvent_t kv_written; /* recorded once the layer's K/V are in the cache (NULL: none) */
     int after_wait;         /* the block's first kernel follows a wait on another stream: launched plainly */
+    int o_parts, down_parts; /* > 1: o_proj / down as that many partial sums, added by the next norm (stack_parts) */
+    int parts_pending;       /* x lacks the previous block's down partial sums: this block's first norm adds them ... */
+    const float *pending_gate; /* ... times this gate (Pi0.5's; NULL: none) */
 } gemma_rows;
 
 /* What one of Pi0.5's adaptive norms makes of this step's time conditioning (docs/model.md#adaptive-rmsnorm):
@@ -97,19 +104,27 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
 }
 
 /* The norm before a Linear into b->h: plain RMSNorm with (1 + w) (w NULL: folded away), or adaptive. `plain`: launched
- * plainly (the block's first kernel after a wait on another stream, kernels.h). */
+ * plainly (the block's first kernel after a wait on another stream, kernels.h). `parts` > 0: the Linear before left
+ * that many partial sums in mlp2 (block_residual), added to x first, times parts_gate (Pi0.5's; NULL: none). */
 static pi0_status block_norm(cuda_state *s, const gemma_rows *r, int W, const float *w, const norm_mod *mod, int plain,
-                             pi0_error *err) {
-    if (mod)
+                             int parts, const float *parts_gate, pi0_error *err) {
+    if (parts)
+        CUDA_TRY(pi0_cuda_add_parts_rmsnorm(r->b->h, r->x, (const float *)r->b->mlp2, parts, parts_gate, r->rows, W,
+                                            mod ? mod->scale : w, mod ? mod->shift : NULL, NORM_EPS, plain, s->stream));
+    else if (mod)
         CUDA_TRY(pi0_cuda_rmsnorm_mod(r->b->h, r->x, NULL, r->rows, W, mod->scale, mod->shift, NORM_EPS, plain, s->stream));
     else
         CUDA_TRY(pi0_cuda_rmsnorm(r->b->h, r->x, NULL, r->rows, W, w, NORM_EPS, plain, s->stream));
     return PI0_OK;
 }
 
-/* x += in w^T (the residual add fused into the GEMM), or Pi0.5's x += gate * (in w^T). */
+/* x += in w^T (the residual add fused into the GEMM), or Pi0.5's x += gate * (in w^T). With `parts` > 1 the product
+ * instead as that many partial sums in mlp2 (residual_parts), which the next norm adds, gated (block_norm). */
 static pi0_status block_residual(cuda_state *s, const gemma_rows *r, const pi0_bf16 *in, const pi0_bf16 *w, int W, int k,
-                                 const norm_mod *mod, pi0_error *err) {
+                                 const norm_mod *mod, int parts, pi0_error *err) {
+    if (parts > 1) /* mlp2 is free here: gelu x up has read it, or gate|up has not yet written it */
+        return gemm(s, (gemm_args){.m = r->rows, .n = W, .k = k, .x = in, .w = w, .out = r->b->mlp2, .out_f32 = 1,
+                                   .alpha = 1, .k_parts = parts}, err);
     if (!mod)
         return gemm(s, (gemm_args){.m = r->rows, .n = W, .k = k, .x = in, .w = w, .out = r->x, .out_f32 = 1, .alpha = 1,
                                    .beta = 1}, err);
@@ -128,7 +143,8 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
     /* a few rows: the skinny Linears, where the dims allow them; else cuBLASLt and the separate kernels below */
     if (r->x_bf16 && !kv_only && skinny_fits(s, d, r->rows))
         return gemma_block_skinny(s, l, d, r, cache_k, cache_v, mods, err);
-    TRY(block_norm(s, r, W, l->input_norm, mods ? &mods->attn : NULL, r->after_wait, err));
+    TRY(block_norm(s, r, W, l->input_norm, mods ? &mods->attn : NULL, r->after_wait, r->parts_pending, r->pending_gate,
+                   err));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_rope_qkv(r->b->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
                                cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
@@ -145,12 +161,12 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
         CUDA_TRY(pi0_cuda_attention(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
                                     r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
                                     s->stream));
-    TRY(block_residual(s, r, r->b->att, l->o_w, W, q_dim, mods ? &mods->attn : NULL, err));
-    TRY(block_norm(s, r, W, l->post_norm, mods ? &mods->mlp : NULL, 0, err));
+    TRY(block_residual(s, r, r->b->att, l->o_w, W, q_dim, mods ? &mods->attn : NULL, r->o_parts, err));
+    TRY(block_norm(s, r, W, l->post_norm, mods ? &mods->mlp : NULL, 0, r->o_parts, mods ? mods->attn.gate : NULL, err));
     TRY(gemm(s, (gemm_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->b->h, .w = l->gate_up_w, .out = r->b->mlp2,
                             .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_gelu_mul(r->b->mlp, r->b->mlp2, r->rows, d->mlp_dim, s->stream));
-    return block_residual(s, r, r->b->mlp, l->down_w, W, d->mlp_dim, mods ? &mods->mlp : NULL, err);
+    return block_residual(s, r, r->b->mlp, l->down_w, W, d->mlp_dim, mods ? &mods->mlp : NULL, r->down_parts, err);
 }
 
 /* ---- vision -------------------------------------------------------------------------------------- */
@@ -197,6 +213,35 @@ static size_t cache_layer_elems(const pi0_model *m, const cuda_graph *g) {
            m->dims.llm.head_dim;
 }
 
+/*
+ * A Linear into the residual stream whose k is long next to its columns (the down projections, 16384 and 4096 into 2048
+ * and 1024; the expert's o_proj, 2048 into 1024) fills the GPU only with k split, and cuBLASLt then adds the partial
+ * sums in a reduction kernel of its own before the residual add. Here such a Linear writes k_parts float32 partial sums
+ * instead (gemm.h, block_residual), and the norm that reads x next adds them, with Pi0.5's gate, before it normalizes
+ * (block_norm): one kernel fewer a Linear (bench/NOTES.md, session 21). Where it paid, measured: the prefix's down
+ * projection at up to 1024 rows (the seed workload's, three cameras'; at B = 2 it lost), and on the expert's cuBLASLt
+ * path (horizon 50, batches) o_proj and down. The sums live in mlp2, free between gelu x up and the next gate|up: it
+ * holds rows x 2 mlp_dim bf16, room for mlp_dim / width float32 parts. The expert's last down projection stays whole:
+ * the final norm reads the action rows of x through a row map. PI0_PARTS=0 turns it all off (A/B runs).
+ */
+
+/* Up to `parts` partial sums of a Linear of k inputs into the stack's width: as many as mlp2 has room for, if k splits
+ * into that many and the norm takes them; else 0 (no split). */
+static int residual_parts(const pi0_stack_dims *d, int k, int parts) {
+    if (parts > d->mlp_dim / d->width) parts = d->mlp_dim / d->width;
+    return parts >= 2 && k % parts == 0 && pi0_cuda_add_parts_rmsnorm_fits(d->width, parts) ? parts : 0;
+}
+
+/* A stack's o_proj and down projection split into partial sums (above) for `rows` rows through cuBLASLt. */
+static void stack_parts(const pi0_stack_dims *d, int expert, int rows, int *o_parts, int *down_parts) {
+    const char *env = getenv("PI0_PARTS");
+    int on = !(env && !strcmp(env, "0"));
+    int expert_parts = on && expert && rows <= EXPERT_PARTS_MAX_ROWS ? EXPERT_PARTS : 0;
+    int prefix_parts = on && !expert && rows <= PREFIX_PARTS_MAX_ROWS ? PREFIX_DOWN_PARTS : 0;
+    *o_parts = residual_parts(d, d->num_heads * d->head_dim, expert_parts);
+    *down_parts = residual_parts(d, d->mlp_dim, expert ? expert_parts : prefix_parts);
+}
+
 /* The LLM over every valid prefix token ([image tokens, prompt embeddings * sqrt(width)]), filling each
  * layer's K/V cache; nothing else is kept. With kv_ready, event `layer` is recorded once that layer's K/V are in
  * the cache (the first denoise step's expert layer waits for it: first_step_beside). */
@@ -205,10 +250,13 @@ static pi0_status prefix_forward(cuda_state *s, const pi0_model *m, cuda_graph *
     size_t cache_layer = cache_layer_elems(m, g);
     CUDA_TRY(pi0_cuda_assemble_prefix(g->x, g->in.prefix_src, g->shape.total_prefix, d->width, g->vision, s->w.embed,
                                       (float)sqrt((double)d->width), s->stream));
-    gemma_rows r = {g->shape.total_prefix, g->shape.batch, g->shape.max_prefix, g->in.prefix_pos, g->in.prefix_cache_row,
-                    g->in.prefix_segments, g->x, NULL, &g->prefix, NULL, 0, NULL, 0};
+    gemma_rows r = {.rows = g->shape.total_prefix, .num_segments = g->shape.batch, .max_q = g->shape.max_prefix,
+                    .positions = g->in.prefix_pos, .cache_rows = g->in.prefix_cache_row, .segments = g->in.prefix_segments,
+                    .x = g->x, .b = &g->prefix};
+    stack_parts(d, 0, r.rows, &r.o_parts, &r.down_parts); /* every down projection has a next block: the last is K/V only */
     for (int layer = 0; layer < d->depth; layer++) {
         r.kv_written = kv_ready ? kv_ready[layer] : NULL;
+        r.parts_pending = layer > 0 ? r.down_parts : 0;
         TRY(gemma_block(s, &s->w.llm[layer], d, &r, g->cache_k + layer * cache_layer, g->cache_v + layer * cache_layer,
                         layer == d->depth - 1, NULL, err));
     }
@@ -332,14 +380,20 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
     if (g->persistent) {
         TRY(expert_persistent(s, m, g, step, err));
     } else {
-        gemma_rows r = {B * S, B, S, g->in.suffix_pos, g->in.suffix_cache_row, g->in.suffix_segments, g->suffix,
-                        g->suffix_bf16, &g->suffix_buffers, g->suffix_attn_ws, g->suffix_attn_ws_bytes, NULL,
-                        kv_ready != NULL};
+        gemma_rows r = {.rows = B * S, .num_segments = B, .max_q = S, .positions = g->in.suffix_pos,
+                        .cache_rows = g->in.suffix_cache_row, .segments = g->in.suffix_segments, .x = g->suffix,
+                        .x_bf16 = g->suffix_bf16, .b = &g->suffix_buffers, .attn_ws = g->suffix_attn_ws,
+                        .attn_ws_bytes = g->suffix_attn_ws_bytes, .after_wait = kv_ready != NULL};
+        int down_parts = 0;
+        if (!skinny_fits(s, d, r.rows)) stack_parts(d, 1, r.rows, &r.o_parts, &down_parts);
         for (int layer = 0; layer < d->depth; layer++) {
             block_mods mods = pi05 ? layer_mods(m, g, layer, step) : (block_mods){0};
+            r.parts_pending = layer > 0 ? r.down_parts : 0; /* the previous block's */
+            r.down_parts = layer < d->depth - 1 ? down_parts : 0; /* the final norm reads x through a row map */
             if (kv_ready) CUDA_TRY(cudaStreamWaitEvent(s->stream, kv_ready[layer], 0));
             TRY(gemma_block(s, &w->expert[layer], d, &r, g->cache_k + layer * cache_layer,
                             g->cache_v + layer * cache_layer, 0, pi05 ? &mods : NULL, err));
+            r.pending_gate = pi05 ? mods.mlp.gate : NULL; /* what the next block adds its partial sums with */
         }
     }
     return euler_update(s, m, g, step, skinny_rows, err);

@@ -51,9 +51,12 @@ void gemm_free(gemm_context *ctx) {
     memset(ctx, 0, sizeof *ctx);
 }
 
+static int parts(const gemm_args *a) { return a->k_parts > 1 ? a->k_parts : 1; }
+
 /* Everything about a call that changes the algorithm choice, in one int. */
 static int gemm_flags(const gemm_args *a) {
-    return (a->out_f32 << 0) | ((a->bias != NULL) << 1) | (a->gelu << 2) | (a->f32_inputs << 3) | ((a->beta != 0) << 4);
+    return (a->out_f32 << 0) | ((a->bias != NULL) << 1) | (a->gelu << 2) | (a->f32_inputs << 3) | ((a->beta != 0) << 4) |
+           (parts(a) << 5);
 }
 
 static const cublasLtMatmulAlgo_t *cached_algo(const gemm_context *ctx, const gemm_args *a) {
@@ -102,11 +105,23 @@ static cublasStatus_t descs_make(gemm_descs *d, const gemm_args *a) {
         return s;
     if (a->bias && (s = cublasLtMatmulDescSetAttribute(d->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &a->bias, sizeof a->bias)))
         return s;
-    /* column-major: w^T is (k, n) with ld k, x^T is (k, m) with ld k, out^T is (n, m) with ld n */
-    if ((s = cublasLtMatrixLayoutCreate(&d->w, in_type, (uint64_t)a->k, (uint64_t)a->n, a->k)) ||
-        (s = cublasLtMatrixLayoutCreate(&d->x, in_type, (uint64_t)a->k, (uint64_t)a->m, a->k)) ||
+    /* column-major: w^T is (k, n) with ld k, x^T is (k, m) with ld k, out^T is (n, m) with ld n; with k_parts, a
+     * strided batch over the slices of k (the rows of w^T and x^T) into consecutive outputs */
+    const int p = parts(a), slice = a->k / p;
+    if ((s = cublasLtMatrixLayoutCreate(&d->w, in_type, (uint64_t)slice, (uint64_t)a->n, a->k)) ||
+        (s = cublasLtMatrixLayoutCreate(&d->x, in_type, (uint64_t)slice, (uint64_t)a->m, a->k)) ||
         (s = cublasLtMatrixLayoutCreate(&d->out, out_type, (uint64_t)a->n, (uint64_t)a->m, a->n)))
         return s;
+    if (p > 1) {
+        const int64_t w_step = slice, out_step = (int64_t)a->m * a->n;
+        cublasLtMatrixLayout_t batched[3] = {d->w, d->x, d->out};
+        const int64_t steps[3] = {w_step, w_step, out_step};
+        for (int i = 0; i < 3; i++)
+            if ((s = cublasLtMatrixLayoutSetAttribute(batched[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &p, sizeof p)) ||
+                (s = cublasLtMatrixLayoutSetAttribute(batched[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &steps[i],
+                                                      sizeof steps[i])))
+                return s;
+    }
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -179,7 +194,7 @@ static cublasStatus_t find_algo(gemm_context *ctx, const gemm_descs *d, const ge
     *algo = results[0].algo;
     void *out = NULL;
     if (found == 1 || !ctx->tune || capturing(stream) ||
-        !(out = scratch_for(ctx, (size_t)a->m * a->n * (a->out_f32 ? 4 : 2))))
+        !(out = scratch_for(ctx, (size_t)a->m * a->n * (a->out_f32 ? 4 : 2) * parts(a))))
         return CUBLAS_STATUS_SUCCESS;
     cudaEvent_t start, stop;
     if (cudaEventCreate(&start) != cudaSuccess) return CUBLAS_STATUS_SUCCESS;
@@ -203,6 +218,9 @@ static cublasStatus_t find_algo(gemm_context *ctx, const gemm_descs *d, const ge
 
 pi0_status gemm_run(gemm_context *ctx, const gemm_args *a, cudaStream_t stream, pi0_error *err) {
     if (a->m == 0) return PI0_OK;
+    if (parts(a) > 1 && (a->k % parts(a) || !a->out_f32 || a->beta != 0 || a->bias || a->gelu))
+        return pi0_fail(err, PI0_ERR_BACKEND, "GEMM k parts: k %d in %d parts needs float32 output, no bias, beta 0",
+                        a->k, parts(a));
     gemm_descs d;
     cublasLtMatmulAlgo_t algo;
     cublasStatus_t s = descs_make(&d, a);

@@ -7,6 +7,10 @@
  * out is bf16 (feeding the next GEMM) or float32 (a residual stream, with beta = 1 to accumulate).
  * The bias has out's type.
  *
+ * k_parts > 1 splits k into that many equal slices and writes each slice's float32 product to its own (m, n)
+ * matrix, one after another from out (beta 0, no bias): split-K whose partial sums the next kernel adds instead of
+ * a reduction kernel of cuBLASLt's (the RMSNorm after a Linear into the residual stream: forward.c's stack_parts).
+ *
  * Algorithm choice: the first time a shape runs outside graph capture, up to TUNE_CANDIDATES of
  * cuBLASLt's heuristic candidates are timed on a scratch output and the fastest is cached (on an
  * H200 that beats the heuristic's first pick most at horizon 50's 51 rows: denoise 8.39 -> 8.17 ms, session 16).
@@ -28,6 +32,7 @@ typedef struct {
     const void *bias;  /* NULL: none */
     int out_f32, gelu, f32_inputs;
     float alpha, beta;
+    int k_parts;       /* > 1: the partial products of k_parts slices of k (above); 0 or 1: none */
 } gemm_args;
 
 typedef struct gemm_algo_entry gemm_algo_entry;

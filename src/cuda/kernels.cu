@@ -123,6 +123,42 @@ static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const
         out[j] = __float2bfloat16(x[j] * inv * (w ? 1.0f + w[j] : 1.0f) + (shift ? shift[j] : 0.0f));
 }
 
+/* x row += gate * (parts[0] row + ... + parts[num_parts - 1] row), the parts added in that order (the split-K partial
+ * sums of the GEMM before, gemm.h's k_parts; gate per column, NULL: 1), then out = RMSNorm(x) * (1 + w) + shift
+ * (shift NULL: none): the residual add that GEMM's reduction (and Pi0.5's gated add) would have made, in the norm that
+ * reads x next. From registers only (pi0_cuda_add_parts_rmsnorm_fits). */
+#define MAX_PARTS 8
+static __global__ void add_parts_rmsnorm_kernel(__nv_bfloat16 *out, float *x, const float *parts, int num_parts,
+                                                size_t part_elems, const float *gate, int dim, const float *w,
+                                                const float *shift, float eps) {
+    pdl_trigger(); /* a dependent at few rows (launch_for_rows) */
+    pdl_wait();
+    const size_t at = (size_t)blockIdx.x * dim;
+    float4 v[NORM_VEC], y[MAX_PARTS][NORM_VEC], g[NORM_VEC];
+    load_row(v, x + at, dim);
+#pragma unroll
+    for (int p = 0; p < MAX_PARTS; p++) /* every load issued before the first add */
+        if (p < num_parts) load_row(y[p], parts + p * part_elems + at, dim);
+    if (gate) load_row(g, gate, dim);
+#pragma unroll
+    for (int p = 1; p < MAX_PARTS; p++)
+        if (p < num_parts)
+#pragma unroll
+            for (int q = 0; q < NORM_VEC; q++)
+                y[0][q] = make_float4(y[0][q].x + y[p][q].x, y[0][q].y + y[p][q].y, y[0][q].z + y[p][q].z,
+                                      y[0][q].w + y[p][q].w);
+#pragma unroll
+    for (int q = 0; q < NORM_VEC; q++) {
+        if (gate) /* rounded before the add (no fma): one rounding order, which the tests check bit for bit */
+            y[0][q] = make_float4(__fmul_rn(g[q].x, y[0][q].x), __fmul_rn(g[q].y, y[0][q].y), __fmul_rn(g[q].z, y[0][q].z),
+                                  __fmul_rn(g[q].w, y[0][q].w));
+        v[q] = make_float4(v[q].x + y[0][q].x, v[q].y + y[0][q].y, v[q].z + y[0][q].z, v[q].w + y[0][q].w);
+        int i = threadIdx.x + q * NORM_THREADS;
+        if (i < dim / 4) reinterpret_cast<float4 *>(x + at)[i] = v[q];
+    }
+    store_row(out + at, v, dim, 0.0f, rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps), w, 1.0f, shift);
+}
+
 static __global__ void one_plus_bf16_kernel(__nv_bfloat16 *out, const float *scale, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         out[i] = __float2bfloat16(1.0f + scale[i]);
@@ -419,6 +455,22 @@ cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_r
     if (rows > 0)
         return launch_for_rows(rmsnorm_kernel, (unsigned)rows, rows, plain_launch, stream, as_bf16(out), in, in_rows, dim,
                                scale, shift, eps, (int)norm_in_registers(dim, in, out, scale, shift));
+    return cudaGetLastError();
+}
+
+int pi0_cuda_add_parts_rmsnorm_fits(int dim, int num_parts) {
+    return dim % 4 == 0 && dim <= 4 * NORM_VEC * NORM_THREADS && num_parts >= 1 && num_parts <= MAX_PARTS;
+}
+
+cudaError_t pi0_cuda_add_parts_rmsnorm(pi0_bf16 *out, float *x, const float *parts, int num_parts, const float *gate,
+                                       int rows, int dim, const float *w, const float *shift, float eps, int plain_launch,
+                                       cudaStream_t stream) {
+    if (!pi0_cuda_add_parts_rmsnorm_fits(dim, num_parts) || !norm_in_registers(dim, x, out, w, shift) ||
+        !norm_in_registers(dim, parts, out, gate, NULL))
+        return cudaErrorInvalidValue;
+    if (rows > 0)
+        return launch_for_rows(add_parts_rmsnorm_kernel, (unsigned)rows, rows, plain_launch, stream, as_bf16(out), x, parts,
+                               num_parts, (size_t)rows * dim, gate, dim, w, shift, eps);
     return cudaGetLastError();
 }
 

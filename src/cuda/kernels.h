@@ -42,6 +42,17 @@ cudaError_t pi0_cuda_rmsnorm(pi0_bf16 *out, const float *in, const int *in_rows,
 cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_rows, int rows, int dim, const float *scale,
                                  const float *shift, float eps, int plain_launch, cudaStream_t stream);
 
+/* x (rows, dim) += gate * (parts[0] + ... + parts[num_parts - 1]) (float32 (rows, dim) matrices, one after another:
+ * the split-K partial sums of a GEMM, gemm.h's k_parts, added in that order; gate per column, NULL: 1), then out =
+ * RMSNorm(x) * (1 + w) + shift (shift NULL: none; Pi0.5's adaptive norm with w its scale): a GEMM's residual add
+ * inside the norm that reads x next, without the GEMM's own reduction (forward.c). Only where
+ * pi0_cuda_add_parts_rmsnorm_fits (cudaErrorInvalidValue otherwise, or for misaligned pointers). `plain_launch` as
+ * pi0_cuda_rmsnorm's. */
+int pi0_cuda_add_parts_rmsnorm_fits(int dim, int num_parts);
+cudaError_t pi0_cuda_add_parts_rmsnorm(pi0_bf16 *out, float *x, const float *parts, int num_parts, const float *gate,
+                                       int rows, int dim, const float *w, const float *shift, float eps, int plain_launch,
+                                       cudaStream_t stream);
+
 /* out[i] = bf16(1 + scale[i]) for i < n: an adaptive norm's scale as the skinny Linears take it (skinny.h). */
 cudaError_t pi0_cuda_one_plus_bf16(pi0_bf16 *out, const float *scale, size_t n, cudaStream_t stream);
 

@@ -568,15 +568,28 @@ static void full_size_cuda_vs_cpu(pi0_dims dims) {
                        .prompt_ids = ids, .prompt_mask = id_mask, .state = state, .horizon = H, .noise = noise,
                        .num_steps = 10};
     pi0_timings t;
-    float a_one[H * 32];
+    float a_one[H * 32], noise_h50[50 * 32], a_h50[50 * 32], a_h50_cpu[50 * 32];
     REQUIRE(pi0_sample_actions(gpu, &batch, a_gpu, &t, &err) == PI0_OK, "%s", err.message);
     pi0_batch first = batch; /* sample 0 alone: another shape, another graph */
     first.batch = 1;
     REQUIRE(pi0_sample_actions(gpu, &first, a_one, &t, &err) == PI0_OK, "%s", err.message);
+    /* sample 0 at horizon 50: the expert through cuBLASLt, with its Linears in partial sums (forward.c's stack_parts) */
+    pi0_batch h50 = first;
+    h50.horizon = 50, h50.noise = noise_h50;
+    fill_uniform(noise_h50, 50 * 32, 1.5f);
+    float a_h50_again[50 * 32]; /* the first call of a shape runs eagerly, the next from its graph (step 0 beside) */
+    REQUIRE(pi0_sample_actions(gpu, &h50, a_h50, &t, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_sample_actions(gpu, &h50, a_h50_again, &t, &err) == PI0_OK, "%s", err.message);
     pi0_model_free(gpu);
     REQUIRE(pi0_model_random(&dims, 5, &cpu_opts, &cpu, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(pi0_sample_actions(cpu, &h50, a_h50_cpu, &t, &err) == PI0_OK, "%s", err.message);
+    fprintf(stderr, "  cpu, one sample at horizon 50: %.0f ms\n", t.total_ms);
     REQUIRE(pi0_sample_actions(cpu, &batch, a_cpu, &t, &err) == PI0_OK, "%s", err.message);
     fprintf(stderr, "  cpu: %.0f ms\n", t.total_ms);
+    double e_h50 = rel_error(a_h50, a_h50_cpu, 50 * 32);
+    fprintf(stderr, "  sample 0 at horizon 50: cuda vs cpu rel error %.3g\n", e_h50);
+    CHECK(e_h50 <= TOL_FULL_SIZE, "sample 0 at horizon 50: %.3g > %g", e_h50, TOL_FULL_SIZE);
+    CHECK(!memcmp(a_h50, a_h50_again, sizeof a_h50), "horizon 50: the graph's actions differ from the eager call's");
     for (int b = 0; b < B; b++) {
         double e = rel_error(a_gpu + b * H * 32, a_cpu + b * H * 32, H * 32);
         fprintf(stderr, "  sample %d: cuda vs cpu rel error %.3g\n", b, e);

@@ -80,6 +80,58 @@ TEST(rmsnorm_matches_cpu_with_row_map) {
     rmsnorm_case(2056); /* past the register path's rows */
 }
 
+/* A GEMM's split-K partial sums added to the residual stream inside the next RMSNorm: x += gate * (sum of the parts in
+ * order) (float32, so x must match the same arithmetic on the host bit for bit), then h = RMSNorm(x) * (1 + w) + shift
+ * (the prefix's down projection: no gate, no shift; Pi0.5's expert: both). */
+static void add_parts_rmsnorm_case(int rows, int dim, int parts, int pi05) {
+    size_t n = (size_t)rows * dim;
+    float *x = malloc(n * 4), *p = malloc(parts * n * 4), *w = malloc(dim * 4), *gate = malloc(dim * 4);
+    float *shift = malloc(dim * 4), *ref = malloc(n * 4);
+    fill_uniform(x, n, 5.0f), fill_uniform(p, parts * n, 2.0f), fill_uniform(w, dim, 0.3f), fill_uniform(gate, dim, 1.0f);
+    fill_uniform(shift, dim, 0.5f);
+    float *dx = dev_upload(x, n * 4), *dp = dev_upload(p, parts * n * 4), *dw = dev_upload(w, dim * 4);
+    float *dgate = dev_upload(gate, dim * 4), *dshift = dev_upload(shift, dim * 4);
+    for (size_t i = 0; i < n; i++) {
+        float sum = p[i];
+        for (int j = 1; j < parts; j++) sum += p[(size_t)j * n + i];
+        x[i] += pi05 ? gate[i % dim] * sum : sum;
+    }
+    cpu_rmsnorm(ref, x, rows, dim, w, 1e-6f);
+    if (pi05)
+        for (size_t i = 0; i < n; i++) ref[i] += shift[i % dim];
+    pi0_bf16 *dh = dev_poisoned(n * 2);
+    CUDA_OK(pi0_cuda_add_parts_rmsnorm(dh, dx, dp, parts, pi05 ? dgate : NULL, rows, dim, dw, pi05 ? dshift : NULL, 1e-6f,
+                                       0, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got_x = download_f32(dx, n), *got_h = download_bf16(dh, n);
+    size_t differ = 0;
+    for (size_t i = 0; i < n; i++) differ += memcmp(&got_x[i], &x[i], 4) != 0;
+    CHECK(differ == 0, "add parts %dx%d, %d parts%s: %zu sums differ from the host's", rows, dim, parts,
+          pi05 ? ", gated" : "", differ);
+    CHECK(rel_error(got_h, ref, n) <= TOL_BF16_OUT, "add parts rmsnorm %dx%d, %d parts%s: %.3g", rows, dim, parts,
+          pi05 ? ", gated, shifted" : "", rel_error(got_h, ref, n));
+    free(x), free(p), free(w), free(gate), free(shift), free(ref), free(got_x), free(got_h);
+    cudaFree(dx), cudaFree(dp), cudaFree(dw), cudaFree(dgate), cudaFree(dshift), cudaFree(dh);
+}
+
+TEST(add_parts_rmsnorm_matches_cpu) {
+    add_parts_rmsnorm_case(37, 2048, 2, 0); /* the LLM's down projection */
+    add_parts_rmsnorm_case(51, 1024, 4, 0); /* the expert's at horizon 50 */
+    add_parts_rmsnorm_case(43, 1024, 2, 1); /* Pi0.5's expert: gated, shifted */
+    add_parts_rmsnorm_case(5, 1024, 8, 1);
+    add_parts_rmsnorm_case(3, 1156, 3, 1); /* not a whole number of float4 a thread */
+    add_parts_rmsnorm_case(1, 4, 1, 0);
+    /* past the register path, or too many parts: refused, nothing written */
+    CHECK(!pi0_cuda_add_parts_rmsnorm_fits(2056, 2) && !pi0_cuda_add_parts_rmsnorm_fits(1030, 2) &&
+              !pi0_cuda_add_parts_rmsnorm_fits(2048, 9) && !pi0_cuda_add_parts_rmsnorm_fits(2048, 0),
+          "unsupported shapes reported as fitting");
+    float *d = dev_poisoned(2056 * 3 * 4);
+    CHECK(pi0_cuda_add_parts_rmsnorm((pi0_bf16 *)d, d, d, 2, NULL, 1, 2056, NULL, NULL, 1e-6f, 0, 0) == cudaErrorInvalidValue,
+          "a row past the register path was not refused");
+    cudaGetLastError();
+    cudaFree(d);
+}
+
 /* Pi0.5's adaptive RMSNorm (scale and shift) through a row map, and the gated residual add. */
 static void rmsnorm_mod_case(int dim) {
     int rows = 29, out_rows = 11;
@@ -389,6 +441,32 @@ static void gemm_case(gemm_context *ctx, int m, int n, int k, int bias, int gelu
     cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dout);
 }
 
+/* k_parts: each slice of k's float32 product into its own output, against the double loop over that slice. */
+static void gemm_parts_case(gemm_context *ctx, int m, int n, int k, int parts) {
+    float *x = malloc((size_t)m * k * 4), *w = malloc((size_t)n * k * 4), *ref = malloc((size_t)parts * m * n * 4);
+    fill_uniform(x, (size_t)m * k, 1.0f), fill_uniform(w, (size_t)n * k, 1.0f / sqrtf((float)k));
+    uint16_t *xb = to_bf16_rounding(x, (size_t)m * k), *wb = to_bf16_rounding(w, (size_t)n * k);
+    int slice = k / parts;
+    for (int p = 0; p < parts; p++)
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++) {
+                double acc = 0;
+                for (int t = p * slice; t < (p + 1) * slice; t++) acc += (double)x[(size_t)i * k + t] * w[(size_t)j * k + t];
+                ref[((size_t)p * m + i) * n + j] = (float)acc;
+            }
+    void *dx = dev_upload(xb, (size_t)m * k * 2), *dw = dev_upload(wb, (size_t)n * k * 2);
+    float *dout = dev_poisoned((size_t)parts * m * n * 4);
+    pi0_error err = {0};
+    gemm_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .out = dout, .out_f32 = 1, .alpha = 1, .k_parts = parts};
+    CHECK(gemm_run(ctx, &a, 0, &err) == PI0_OK, "%s", err.message);
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got = download_f32(dout, (size_t)parts * m * n);
+    double e = rel_error(got, ref, (size_t)parts * m * n);
+    CHECK(e <= 1e-4, "gemm k parts m %d n %d k %d parts %d: %.3g", m, n, k, parts, e);
+    free(x), free(w), free(ref), free(xb), free(wb), free(got);
+    cudaFree(dx), cudaFree(dw), cudaFree(dout);
+}
+
 TEST(gemm_matches_cpu) {
     gemm_context ctx;
     pi0_error err = {0};
@@ -401,6 +479,14 @@ TEST(gemm_matches_cpu) {
     gemm_case(&ctx, 33, 1152, 1152, 1, 0, 1, 1, 1, 0);          /* accumulate + f32 bias */
     gemm_case(&ctx, 50, 32, 1024, 1, 0, 1, -0.1f, 1, 0);        /* the fused Euler step */
     gemm_case(&ctx, 512, 1152, 588, 0, 0, 1, 1, 0, 1);          /* float32 patch embedding */
+    gemm_parts_case(&ctx, 37, 2048, 1024, 2);                  /* the prefix's down projection, in partial sums */
+    gemm_parts_case(&ctx, 5, 72, 48, 3);
+    /* k parts need k in whole slices, float32 outputs and nothing added: refused otherwise */
+    gemm_args bad = {.m = 4, .n = 8, .k = 10, .x = ctx.workspace, .w = ctx.workspace, .out = ctx.workspace, .out_f32 = 1,
+                     .alpha = 1, .k_parts = 4};
+    CHECK(gemm_run(&ctx, &bad, 0, &err) == PI0_ERR_BACKEND, "k 10 in 4 parts was not refused");
+    bad.k = 16, bad.beta = 1;
+    CHECK(gemm_run(&ctx, &bad, 0, &err) == PI0_ERR_BACKEND, "k parts with beta 1 were not refused");
     /* the algorithm cache answers a repeated shape */
     int cached = ctx.num_algos;
     gemm_case(&ctx, 11, 2560, 1024, 0, 0, 0, 1, 0, 0);
@@ -476,6 +562,7 @@ int main(int argc, char **argv) {
     RUN(layernorm_matches_cpu);
     RUN(rmsnorm_matches_cpu_with_row_map);
     RUN(rmsnorm_mod_and_gated_add_match_cpu);
+    RUN(add_parts_rmsnorm_matches_cpu);
     RUN(gelu_mul_matches_cpu);
     RUN(rope_qkv_matches_cpu);
     RUN(frames_to_images_equal_host);
