@@ -233,11 +233,10 @@ static int residual_parts(const pi0_stack_dims *d, int k, int parts) {
 }
 
 /* A stack's o_proj and down projection split into partial sums (above) for `rows` rows through cuBLASLt. */
-static void stack_parts(const pi0_stack_dims *d, int expert, int rows, int *o_parts, int *down_parts) {
-    const char *env = getenv("PI0_PARTS");
-    int on = !(env && !strcmp(env, "0"));
-    int expert_parts = on && expert && rows <= EXPERT_PARTS_MAX_ROWS ? EXPERT_PARTS : 0;
-    int prefix_parts = on && !expert && rows <= PREFIX_PARTS_MAX_ROWS ? PREFIX_DOWN_PARTS : 0;
+static void stack_parts(const cuda_state *s, const pi0_stack_dims *d, int expert, int rows, int *o_parts,
+                        int *down_parts) {
+    int expert_parts = s->use_parts && expert && rows <= EXPERT_PARTS_MAX_ROWS ? EXPERT_PARTS : 0;
+    int prefix_parts = s->use_parts && !expert && rows <= PREFIX_PARTS_MAX_ROWS ? PREFIX_DOWN_PARTS : 0;
     *o_parts = residual_parts(d, d->num_heads * d->head_dim, expert_parts);
     *down_parts = residual_parts(d, d->mlp_dim, expert ? expert_parts : prefix_parts);
 }
@@ -253,7 +252,7 @@ static pi0_status prefix_forward(cuda_state *s, const pi0_model *m, cuda_graph *
     gemma_rows r = {.rows = g->shape.total_prefix, .num_segments = g->shape.batch, .max_q = g->shape.max_prefix,
                     .positions = g->in.prefix_pos, .cache_rows = g->in.prefix_cache_row, .segments = g->in.prefix_segments,
                     .x = g->x, .b = &g->prefix};
-    stack_parts(d, 0, r.rows, &r.o_parts, &r.down_parts); /* every down projection has a next block: the last is K/V only */
+    stack_parts(s, d, 0, r.rows, &r.o_parts, &r.down_parts); /* every down projection has a next block: the last is K/V only */
     for (int layer = 0; layer < d->depth; layer++) {
         r.kv_written = kv_ready ? kv_ready[layer] : NULL;
         r.parts_pending = layer > 0 ? r.down_parts : 0;
@@ -385,7 +384,7 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
                         .x_bf16 = g->suffix_bf16, .b = &g->suffix_buffers, .attn_ws = g->suffix_attn_ws,
                         .attn_ws_bytes = g->suffix_attn_ws_bytes, .after_wait = kv_ready != NULL};
         int down_parts = 0;
-        if (!skinny_fits(s, d, r.rows)) stack_parts(d, 1, r.rows, &r.o_parts, &down_parts);
+        if (!skinny_fits(s, d, r.rows)) stack_parts(s, d, 1, r.rows, &r.o_parts, &down_parts);
         for (int layer = 0; layer < d->depth; layer++) {
             block_mods mods = pi05 ? layer_mods(m, g, layer, step) : (block_mods){0};
             r.parts_pending = layer > 0 ? r.down_parts : 0; /* the previous block's */

@@ -37,9 +37,11 @@ static __device__ float block_sum(float v) {
  * per 4 outputs (a global round trip, not three passes over the row). Other rows loop over memory. */
 #define NORM_VEC 2
 
+static int norm_row_fits(int dim) { return dim % 4 == 0 && dim <= 4 * NORM_VEC * NORM_THREADS; }
+
 static int norm_in_registers(int dim, const void *in, const void *out, const float *w, const float *b) {
-    return dim % 4 == 0 && dim <= 4 * NORM_VEC * NORM_THREADS && (uintptr_t)in % 16 == 0 && (uintptr_t)out % 8 == 0 &&
-           (uintptr_t)w % 16 == 0 && (uintptr_t)b % 16 == 0;
+    return norm_row_fits(dim) && (uintptr_t)in % 16 == 0 && (uintptr_t)out % 8 == 0 && (uintptr_t)w % 16 == 0 &&
+           (uintptr_t)b % 16 == 0;
 }
 
 /* This thread's float4 groups of the row (zeros past its end). */
@@ -459,7 +461,7 @@ cudaError_t pi0_cuda_rmsnorm_mod(pi0_bf16 *out, const float *in, const int *in_r
 }
 
 int pi0_cuda_add_parts_rmsnorm_fits(int dim, int num_parts) {
-    return dim % 4 == 0 && dim <= 4 * NORM_VEC * NORM_THREADS && num_parts >= 1 && num_parts <= MAX_PARTS;
+    return norm_row_fits(dim) && num_parts >= 1 && num_parts <= MAX_PARTS;
 }
 
 cudaError_t pi0_cuda_add_parts_rmsnorm(pi0_bf16 *out, float *x, const float *parts, int num_parts, const float *gate,
