@@ -4,7 +4,8 @@
  * sample by sample (the skinny path),
  * ragged batches against the CPU oracle, graph replay equal to the eager run, repeated replays
  * identical, the first denoise step beside the prefix equal to it after, several shapes alternating through the graph cache, camera frames resized on the GPU equal to
- * their images made on the host, and the real-size models on random weights within 2e-2 of the CPU backend.
+ * their images made on the host, and the real-size models on random weights within 2e-2 of the CPU backend (two
+ * samples, one, one at horizon 50, and a batch of eight against the CPU and against each sample alone).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -543,6 +544,47 @@ TEST(bad_input_on_cuda) {
     io_close(&f);
 }
 
+/* Eight samples at the real size: 88 suffix rows, past the skinny Linears (the expert through cuBLASLt, in partial
+ * sums) with the few-queries attention over 8 segments, a path only the benchmarks' batch rows took. Samples 0-1 are
+ * `two`'s (the caller compares them with the CPU's), samples 2-7 new ones with other cameras and prompt lengths, each
+ * also run alone (the one-sample path, which the caller checks against the CPU): a8 gets the batch's actions, alone
+ * the lone runs' (samples 2-7 at 2..7). */
+enum { B8 = 8 };
+static void batch_of_8_on_gpu(pi0_model *gpu, const pi0_batch *two, float *a8, float *alone) {
+    const size_t image = 224 * 224 * 3;
+    const int H = two->horizon, P = two->prompt_len, A = H * 32;
+    float *imgs[3], *state = malloc(B8 * 32 * sizeof(float)), *noise = malloc((size_t)B8 * A * sizeof(float));
+    const float *ptrs[3];
+    uint8_t masks[B8 * 3], *id_mask = malloc((size_t)B8 * P);
+    int32_t *ids = malloc((size_t)B8 * P * sizeof(int32_t));
+    for (int c = 0; c < 3; c++) {
+        ptrs[c] = imgs[c] = malloc(B8 * image * sizeof(float));
+        memcpy(imgs[c], two->images[c], 2 * image * sizeof(float));
+        fill_uniform(imgs[c] + 2 * image, (B8 - 2) * image, 1.0f);
+    }
+    memcpy(masks, two->image_masks, 6);
+    for (int b = 2; b < B8; b++) /* cameras 111, 111, 010, 110, 111, 011 */
+        for (int c = 0; c < 3; c++) masks[b * 3 + c] = c == 0 ? b != 4 && b != 7 : (b >> (c - 1)) & 1 || c == 1;
+    memcpy(ids, two->prompt_ids, 2 * P * sizeof(int32_t)), memcpy(id_mask, two->prompt_mask, 2 * P);
+    for (int i = 2 * P; i < B8 * P; i++) ids[i] = (int32_t)((gpu_uniform() + 1) * 128000), id_mask[i] = i % P < P - i / P;
+    memcpy(state, two->state, 2 * 32 * sizeof(float)), memcpy(noise, two->noise, 2 * (size_t)A * sizeof(float));
+    fill_uniform(state + 2 * 32, (B8 - 2) * 32, 1.0f), fill_uniform(noise + 2 * A, (size_t)(B8 - 2) * A, 1.5f);
+    pi0_batch batch = *two;
+    batch.batch = B8, batch.images = ptrs, batch.image_masks = masks, batch.prompt_ids = ids, batch.prompt_mask = id_mask,
+    batch.state = state, batch.noise = noise;
+    pi0_error err = {0};
+    REQUIRE(pi0_sample_actions(gpu, &batch, a8, NULL, &err) == PI0_OK, "%s", err.message);
+    for (int b = 2; b < B8; b++) {
+        const float *one_ptrs[3] = {imgs[0] + b * image, imgs[1] + b * image, imgs[2] + b * image};
+        pi0_batch one = batch;
+        one.batch = 1, one.images = one_ptrs, one.image_masks = masks + 3 * b, one.prompt_ids = ids + b * P,
+        one.prompt_mask = id_mask + b * P, one.state = state + b * 32, one.noise = noise + (size_t)b * A;
+        REQUIRE(pi0_sample_actions(gpu, &one, alone + (size_t)b * A, NULL, &err) == PI0_OK, "%s", err.message);
+    }
+    for (int c = 0; c < 3; c++) free(imgs[c]);
+    free(state), free(noise), free(id_mask), free(ids);
+}
+
 /* The real size: the same random weights on both backends, actions within 2e-2. */
 static void full_size_cuda_vs_cpu(pi0_dims dims) {
     pi0_options gpu_opts = {.backend = PI0_BACKEND_CUDA}, cpu_opts = {.backend = PI0_BACKEND_CPU};
@@ -580,6 +622,8 @@ static void full_size_cuda_vs_cpu(pi0_dims dims) {
     float a_h50_again[50 * 32]; /* the first call of a shape runs eagerly, the next from its graph (step 0 beside) */
     REQUIRE(pi0_sample_actions(gpu, &h50, a_h50, &t, &err) == PI0_OK, "%s", err.message);
     REQUIRE(pi0_sample_actions(gpu, &h50, a_h50_again, &t, &err) == PI0_OK, "%s", err.message);
+    float *a8 = malloc(B8 * H * 32 * sizeof(float)), *a8_alone = malloc(B8 * H * 32 * sizeof(float));
+    batch_of_8_on_gpu(gpu, &batch, a8, a8_alone);
     pi0_model_free(gpu);
     REQUIRE(pi0_model_random(&dims, 5, &cpu_opts, &cpu, &err) == PI0_OK, "%s", err.message);
     REQUIRE(pi0_sample_actions(cpu, &h50, a_h50_cpu, &t, &err) == PI0_OK, "%s", err.message);
@@ -598,6 +642,13 @@ static void full_size_cuda_vs_cpu(pi0_dims dims) {
     double e_one = rel_error(a_one, a_cpu, H * 32);
     fprintf(stderr, "  sample 0 alone: cuda vs cpu rel error %.3g\n", e_one);
     CHECK(e_one <= TOL_FULL_SIZE, "sample 0 alone: %.3g > %g", e_one, TOL_FULL_SIZE);
+    for (int b = 0; b < B8; b++) { /* 0-1 against the CPU, 2-7 against the same sample alone */
+        const float *ref = b < 2 ? a_cpu + b * H * 32 : a8_alone + b * H * 32;
+        double e = rel_error(a8 + b * H * 32, ref, H * 32);
+        fprintf(stderr, "  batch of 8, sample %d: vs %s %.3g\n", b, b < 2 ? "cpu" : "alone on cuda", e);
+        CHECK(e <= TOL_FULL_SIZE, "batch of 8, sample %d: %.3g > %g", b, e, TOL_FULL_SIZE);
+    }
+    free(a8), free(a8_alone);
     for (int c = 0; c < 3; c++) free(imgs[c]);
     pi0_model_free(cpu);
 }
