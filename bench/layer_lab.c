@@ -8,9 +8,11 @@
  * prefix (532 tokens, Gemma's 8 heads over 1 K/V head) and the ViT (2 images of 256 tokens, 16 heads
  * of 72), and the last rows the prefix's at each forced key split.
  *
- * Usage: build/bench/layer_lab [--rows 11] [--keys 543] [--replays 30] [--sets 18] [--only 1]
+ * Usage: build/bench/layer_lab [--rows 11] [--keys 543] [--replays 30] [--sets 18] [--parts 4] [--only 1]
  * --sets N cycles N weight sets instead of 18 (--sets 1: every op's weights stay in L2, the layer without its DRAM
- * traffic); --only 1 stops after the per-op rows (no split sweeps).
+ * traffic); --parts N: the cuBLASLt path's o_proj and down as N partial sums that the next RMSNorm adds (the engine's
+ * expert past the skinny rows, forward.c's stack_parts; 0: whole, added by the GEMM); --only 1 stops after the per-op
+ * rows (no split sweeps).
  */
 #include <math.h>
 #include <stdio.h>
@@ -61,7 +63,8 @@ typedef struct {
     attn_segment *prefix_segment, *vit_segments;
     gemm_context gemm;
     cudaStream_t stream;
-    int sets; /* weight sets cycled through (--sets 1: every op's weights stay in L2) */
+    int sets;  /* weight sets cycled through (--sets 1: every op's weights stay in L2) */
+    int parts; /* the cuBLASLt path's o_proj and down as this many partial sums, added by the next norm (0: whole) */
 } lab;
 
 static void *random_bf16(size_t n, float scale) {
@@ -89,14 +92,16 @@ static void *zeros(size_t bytes) {
 }
 
 typedef enum { OP_QKV, OP_QKV_ROPE, OP_O, OP_GATE_UP, OP_DOWN, OP_ROPE, OP_ATTENTION, OP_NORM, OP_GELU, OP_LAYER,
-               OP_QKV_LT, OP_O_LT, OP_GATE_UP_LT, OP_DOWN_LT, OP_LAYER_LT, OP_ATTN_PREFIX, OP_ATTN_VIT, NUM_OPS } op;
+               OP_QKV_LT, OP_O_LT, OP_GATE_UP_LT, OP_DOWN_LT, OP_NORM_PARTS, OP_LAYER_LT, OP_ATTN_PREFIX, OP_ATTN_VIT,
+               NUM_OPS } op;
 static const char *op_names[NUM_OPS] = {
     "skinny QKV (norm)", "skinny QKV (norm, rope, cache)", "skinny o_proj (+res)", "skinny gate|up (norm, gelu)", "skinny down (+res)", "rope + cache",
     "attention", "rmsnorm", "gelu x up", "layer, skinny path", "cublasLt QKV", "cublasLt o_proj", "cublasLt gate|up",
-    "cublasLt down", "layer, cublasLt path", "attention, prefix (532 tokens)", "attention, ViT (2 x 256 tokens)"};
+    "cublasLt down", "rmsnorm adding the parts", "layer, cublasLt path", "attention, prefix (532 tokens)",
+    "attention, ViT (2 x 256 tokens)"};
 static const double op_bytes[NUM_OPS] = {2.0 * QKV * WIDTH, 2.0 * QKV * WIDTH, 2.0 * WIDTH * HEADS * HEAD_DIM, 4.0 * MLP * WIDTH,
                                          2.0 * WIDTH * MLP, 0, 0, 0, 0, 0, 2.0 * QKV * WIDTH, 2.0 * WIDTH * HEADS * HEAD_DIM,
-                                         4.0 * MLP * WIDTH, 2.0 * WIDTH * MLP, 0, 0, 0};
+                                         4.0 * MLP * WIDTH, 2.0 * WIDTH * MLP, 0, 0, 0, 0};
 
 static void enqueue(lab *L, op o, int layer) {
     const layer_w *w = &L->w[layer];
@@ -115,11 +120,17 @@ static void enqueue(lab *L, op o, int layer) {
     skinny_args down = {.m = m, .n = WIDTH, .k = MLP, .x = L->mlp, .w = w->down_w, .epilogue = SKINNY_RESIDUAL,
                         .residual = L->x, .residual_bf16 = L->x_bf16};
     gemm_args lt_qkv = {.m = m, .n = QKV, .k = WIDTH, .x = L->h, .w = w->qkv_w, .out = L->qkv, .alpha = 1};
+    /* o_proj and down as the engine runs them here: partial sums in mlp2 (free between gelu x up and gate|up), or whole
+     * into the residual stream */
     gemm_args lt_o = {.m = m, .n = WIDTH, .k = HEADS * HEAD_DIM, .x = L->att, .w = w->o_w, .out = L->x, .out_f32 = 1,
                       .alpha = 1, .beta = 1};
     gemm_args lt_gate_up = {.m = m, .n = 2 * MLP, .k = WIDTH, .x = L->h, .w = w->gate_up_w, .out = L->mlp2, .alpha = 1};
     gemm_args lt_down = {.m = m, .n = WIDTH, .k = MLP, .x = L->mlp, .w = w->down_w, .out = L->x, .out_f32 = 1,
                          .alpha = 1, .beta = 1};
+    if (L->parts > 1) {
+        lt_o.out = lt_down.out = L->mlp2, lt_o.beta = lt_down.beta = 0;
+        lt_o.k_parts = lt_down.k_parts = L->parts;
+    }
     cudaStream_t st = L->stream;
     switch (o) {
     case OP_QKV: CK(pi0_cuda_skinny_linear(&qkv, st)); break;
@@ -146,8 +157,15 @@ static void enqueue(lab *L, op o, int layer) {
     case OP_O_LT: (void)gemm_run(&L->gemm, &lt_o, st, &err); break;
     case OP_GATE_UP_LT: (void)gemm_run(&L->gemm, &lt_gate_up, st, &err); break;
     case OP_DOWN_LT: (void)gemm_run(&L->gemm, &lt_down, st, &err); break;
+    case OP_NORM_PARTS:
+        if (L->parts > 1)
+            CK(pi0_cuda_add_parts_rmsnorm(L->h, L->x, (const float *)L->mlp2, L->parts, NULL, m, WIDTH, NULL, NULL, 1e-6f, 0,
+                                          st));
+        else CK(pi0_cuda_rmsnorm(L->h, L->x, NULL, m, WIDTH, NULL, 1e-6f, 0, st));
+        break;
     case OP_LAYER_LT: {
-        static const op seq[] = {OP_NORM, OP_QKV_LT, OP_ROPE, OP_ATTENTION, OP_O_LT, OP_NORM, OP_GATE_UP_LT, OP_GELU, OP_DOWN_LT};
+        static const op seq[] = {OP_NORM_PARTS, OP_QKV_LT,      OP_ROPE, OP_ATTENTION, OP_O_LT,
+                                 OP_NORM_PARTS, OP_GATE_UP_LT, OP_GELU, OP_DOWN_LT};
         for (size_t i = 0; i < sizeof seq / sizeof seq[0]; i++) enqueue(L, seq[i], layer);
         break;
     }
@@ -209,7 +227,7 @@ static void measure(lab *L, op o, int replays, const char *label) {
 }
 
 int main(int argc, char **argv) {
-    lab L = {.rows = 11, .keys = 543, .sets = LAYERS};
+    lab L = {.rows = 11, .keys = 543, .sets = LAYERS, .parts = 4};
     int replays = 30, only = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--rows")) L.rows = atoi(argv[i + 1]);
@@ -217,13 +235,16 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--replays")) replays = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--sets")) L.sets = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--only")) only = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--parts")) L.parts = atoi(argv[i + 1]);
         else {
-            fprintf(stderr, "usage: layer_lab [--rows N] [--keys N] [--replays N] [--sets N] [--only 1]\n");
+            fprintf(stderr, "usage: layer_lab [--rows N] [--keys N] [--replays N] [--sets N] [--parts N] [--only 1]\n");
             return 2;
         }
     }
-    if (L.rows < 1 || L.rows > 64 || L.keys < L.rows || replays < 1 || L.sets < 1 || L.sets > LAYERS) {
-        fprintf(stderr, "layer_lab: rows 1..64, keys >= rows, replays >= 1, sets 1..%d\n", LAYERS);
+    if (L.rows < 1 || L.rows > 64 || L.keys < L.rows || replays < 1 || L.sets < 1 || L.sets > LAYERS || L.parts < 0 ||
+        (L.parts > 1 && (MLP / WIDTH < L.parts || (HEADS * HEAD_DIM) % L.parts || !pi0_cuda_add_parts_rmsnorm_fits(WIDTH, L.parts)))) {
+        fprintf(stderr, "layer_lab: rows 1..64, keys >= rows, replays >= 1, sets 1..%d, parts 0..%d dividing %d\n", LAYERS,
+                MLP / WIDTH, HEADS * HEAD_DIM);
         return 2;
     }
     CK(cudaStreamCreateWithFlags(&L.stream, cudaStreamNonBlocking));
@@ -277,7 +298,8 @@ int main(int argc, char **argv) {
     L.vit_segments = zeros(sizeof vit_segs);
     CK(cudaMemcpy(L.vit_segments, vit_segs, sizeof vit_segs, cudaMemcpyHostToDevice));
 
-    printf("rows %d, keys %d, %d ops per graph over %d weight sets, %d replays\n", m, L.keys, REPS, L.sets, replays);
+    printf("rows %d, keys %d, %d ops per graph over %d weight sets, %d replays; the cuBLASLt path's o_proj and down %s\n", m,
+           L.keys, REPS, L.sets, replays, L.parts > 1 ? "in partial sums (--parts)" : "whole");
     printf("%-30s %8s %8s %8s %8s\n", "op (us per op, in a graph)", "median", "p90", "min", "TB/s");
     for (op o = 0; o < NUM_OPS; o++) measure(&L, o, replays, NULL);
     if (only) return 0;
