@@ -242,9 +242,10 @@ int main(int argc, char **argv) {
         }
     }
     if (L.rows < 1 || L.rows > 64 || L.keys < L.rows || replays < 1 || L.sets < 1 || L.sets > LAYERS || L.parts < 0 ||
-        (L.parts > 1 && (MLP / WIDTH < L.parts || (HEADS * HEAD_DIM) % L.parts || !pi0_cuda_add_parts_rmsnorm_fits(WIDTH, L.parts)))) {
-        fprintf(stderr, "layer_lab: rows 1..64, keys >= rows, replays >= 1, sets 1..%d, parts 0..%d dividing %d\n", LAYERS,
-                MLP / WIDTH, HEADS * HEAD_DIM);
+        (L.parts > 1 && (MLP / WIDTH < L.parts || (HEADS * HEAD_DIM) % L.parts || MLP % L.parts ||
+                         !pi0_cuda_add_parts_rmsnorm_fits(WIDTH, L.parts)))) {
+        fprintf(stderr, "layer_lab: rows 1..64, keys >= rows, replays >= 1, sets 1..%d, parts 0..%d dividing %d and %d\n",
+                LAYERS, MLP / WIDTH, HEADS * HEAD_DIM, MLP);
         return 2;
     }
     CK(cudaStreamCreateWithFlags(&L.stream, cudaStreamNonBlocking));

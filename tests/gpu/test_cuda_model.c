@@ -562,9 +562,8 @@ static void batch_of_8_on_gpu(pi0_model *gpu, const pi0_batch *two, float *a8, f
         memcpy(imgs[c], two->images[c], 2 * image * sizeof(float));
         fill_uniform(imgs[c] + 2 * image, (B8 - 2) * image, 1.0f);
     }
-    memcpy(masks, two->image_masks, 6);
-    for (int b = 2; b < B8; b++) /* cameras 111, 111, 010, 110, 111, 011 */
-        for (int c = 0; c < 3; c++) masks[b * 3 + c] = c == 0 ? b != 4 && b != 7 : (b >> (c - 1)) & 1 || c == 1;
+    static const uint8_t valid[B8 - 2][3] = {{1, 1, 1}, {1, 1, 1}, {0, 1, 0}, {1, 1, 0}, {1, 1, 1}, {0, 1, 1}};
+    memcpy(masks, two->image_masks, 2 * 3), memcpy(masks + 2 * 3, valid, sizeof valid);
     memcpy(ids, two->prompt_ids, 2 * P * sizeof(int32_t)), memcpy(id_mask, two->prompt_mask, 2 * P);
     for (int i = 2 * P; i < B8 * P; i++) ids[i] = (int32_t)((gpu_uniform() + 1) * 128000), id_mask[i] = i % P < P - i / P;
     memcpy(state, two->state, 2 * 32 * sizeof(float)), memcpy(noise, two->noise, 2 * (size_t)A * sizeof(float));
