@@ -160,8 +160,8 @@ run: $(BUILD)/pi0
 # source and GPU test), but only run by test-gpu. server.sh always runs: in a build without the
 # server it reports itself skipped, never passed.
 test: $(TEST_BIN) $(GPU_TEST_BIN) $(LAB_BIN) $(TOOL_BIN) $(BUILD)/pi0 $(BUILD)/libpi0.so
-	BUILD=$(BUILD) SANITIZE="$(SANITIZE)" PI0_BIN=$(BUILD)/pi0 PI0_TOOLS=$(BUILD)/tests PI0_LOG_DIR=$(BUILD)/logs tests/run.sh $(TEST_BIN) \
-	  tests/crosscheck.sh tests/server.sh tests/convert_test.py tests/library.sh
+	BUILD=$(BUILD) SANITIZE="$(SANITIZE)" PI0_BIN=$(BUILD)/pi0 PI0_TOOLS=$(BUILD)/tests PI0_LOG_DIR=$(BUILD)/logs NVCC=$(NVCC) \
+	  tests/run.sh $(TEST_BIN) tests/crosscheck.sh tests/server.sh tests/convert_test.py tests/library.sh tests/pdl_loads.sh
 
 test-gpu: $(GPU_TEST_BIN) $(LAB_BIN) $(BUILD)/pi0
 	@test -n "$(GPU_TEST_BIN)" || { echo "test-gpu needs nvcc (CUDA toolkit) at build time"; exit 1; }

@@ -60,17 +60,27 @@ struct SkinnyParams {
     uint16_t *cache_k, *cache_v;
 };
 
+/* Which loads issue before griddepcontrol.wait is ptxas's choice, not the source's. Weak loads keep their side of the
+ * wait in the SASS (cuobjdump, session 23); non-coherent ones (ld.global.nc, `__ldg`) it moves across the wait either
+ * way. Through session 22 both the weights and x were non-coherent: 0-5 of a pass's 4-8 weight loads issued before the
+ * wait (the rest after it, so not in flight during the kernel before's tail), and x after it only by the scheduler's
+ * choice (a build whose only change was a branch never taken gave wrong results). Both are weak loads now, and
+ * tests/pdl_loads.sh keeps non-coherent loads out of every kernel that waits (bench/NOTES.md, session 23). */
+
 /* Weights are read once per call: keep them out of L1. A lane's 16 bytes are a quarter of a 64-byte run of its weight
  * row, and the other half of that 128-byte line is the same lanes' next chunk, a separate load: .L2::128B has L2 fetch
  * the whole line on the first miss (QKV 4.24 -> 4.07 us, gate|up 7.13 -> 6.90, the layer 24.7 -> 24.35 in the lab;
  * .L2::256B 24.5; bench/NOTES.md, session 17). */
 __device__ __forceinline__ uint4 load_stream(const uint16_t *p) {
     uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+    asm volatile("ld.global.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p));
     return r;
 }
+
+/* x, the kernel before's output: a plain load (through L1, where the blocks of a multiprocessor share it). */
+__device__ __forceinline__ uint4 load_x_chunk(const uint16_t *p) { return *reinterpret_cast<const uint4 *>(p); }
 
 /* The bias of output column n (0 without one). */
 __device__ __forceinline__ float col_bias(const SkinnyParams &p, int n) { return p.col_bias ? p.col_bias[n] : 0.f; }
@@ -131,8 +141,8 @@ __device__ __forceinline__ void load_x(uint4 *xa, uint4 *xb, const uint16_t *x0,
 #pragma unroll
     for (int c = 0; c < C; c++) {
         const int k = k0 + c * 32;
-        xa[c] = k < k_end && row0 ? __ldg(reinterpret_cast<const uint4 *>(x0 + k)) : zero;
-        xb[c] = k < k_end && row1 ? __ldg(reinterpret_cast<const uint4 *>(x1 + k)) : zero;
+        xa[c] = k < k_end && row0 ? load_x_chunk(x0 + k) : zero;
+        xb[c] = k < k_end && row1 ? load_x_chunk(x1 + k) : zero;
     }
 }
 
@@ -220,7 +230,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
                 wv[c][j] = k < p.k && n < p.n ? load_stream(p.w + (size_t)n * p.k + k) : zero;
             }
             /* the adaptive scale is a constant of the step, not the previous kernel's output: load it early */
-            if (SCALE) sv[SCALE ? c : 0] = k < p.k ? __ldg(reinterpret_cast<const uint4 *>(p.in_scale + k)) : zero;
+            if (SCALE) sv[SCALE ? c : 0] = k < p.k ? *reinterpret_cast<const uint4 *>(p.in_scale + k) : zero;
         }
         pdl_wait(); /* x is the previous kernel's output (a no-op after the first pass) */
         uint4 xa[C], xb[C];

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A kernel launched as a programmatic dependent (one that calls griddepcontrol.wait) starts while the kernel before is
+# still writing, and must read that output only after its wait. ptxas keeps a weak load after the wait and keeps one
+# issued before the wait in the source before it; a non-coherent load (ld.global.nc: `__ldg`, or a `const __restrict__`
+# pointer the compiler proves read-only) it moves across the wait either way (bench/NOTES.md, session 23: the skinny
+# kernels' x). So no such kernel has a non-coherent load, constants included: this compiles each CUDA source to PTX
+# for sm_90a (the build whose kernels wait) and checks every kernel. Needs nvcc ($NVCC, else the one on PATH).
+set -u
+nvcc=${NVCC:-$(command -v nvcc 2>/dev/null)}
+if [ -z "$nvcc" ]; then
+    echo "skip pdl_loads: no nvcc (the CUDA toolkit) to compile the kernels with"
+    echo "0 passed, 0 failed, 1 skipped"
+    exit 0
+fi
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+passed=0; failed=0
+for src in src/cuda/*.cu; do
+    name=pdl_loads_$(basename "$src" .cu)
+    if ! "$nvcc" -ptx -O3 -std=c++17 -arch=compute_90a --expt-relaxed-constexpr -DPI0_SM90A_BUILD -Iinclude -Isrc \
+         "$src" -o "$tmp/k.ptx" 2>"$tmp/err"; then
+        failed=$((failed + 1)); echo "FAIL $name: nvcc -ptx failed"; tail -n 20 "$tmp/err"; continue
+    fi
+    # Per kernel (.entry to the next): how many waits and non-coherent loads; the kernels that have both.
+    bad=$(awk '/^(\.visible |\.weak )?\.entry /{ k = $NF; sub(/\($/, "", k); order[++n] = k }
+               n && /griddepcontrol\.wait/ { waits[k]++ }
+               n && /ld\.global\.nc/ { nc[k]++ }
+               END { for (i = 1; i <= n; i++) if (waits[order[i]] && nc[order[i]])
+                         printf "  %s: %d non-coherent loads\n", order[i], nc[order[i]] }' "$tmp/k.ptx")
+    kernels=$(grep -cE '^(\.visible |\.weak )?\.entry ' "$tmp/k.ptx")
+    waiting=$(awk '/^(\.visible |\.weak )?\.entry /{ w = 0 } /griddepcontrol\.wait/ && !w { w = 1; c++ } END { print c + 0 }' "$tmp/k.ptx")
+    if [ -n "$bad" ]; then
+        failed=$((failed + 1)); echo "FAIL $name: kernels that wait for the kernel before and read through ld.global.nc"
+        printf '%s\n' "$bad"
+    else
+        passed=$((passed + 1)); echo "ok   $name: $kernels kernels, $waiting of them wait (griddepcontrol.wait), none reads through ld.global.nc"
+    fi
+done
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
