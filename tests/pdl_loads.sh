@@ -20,14 +20,17 @@ for src in src/cuda/*.cu; do
          "$src" -o "$tmp/k.ptx" 2>"$tmp/err"; then
         failed=$((failed + 1)); echo "FAIL $name: nvcc -ptx failed"; tail -n 20 "$tmp/err"; continue
     fi
-    # Per kernel (.entry to the next): how many waits and non-coherent loads; the kernels that have both.
-    bad=$(awk '/^(\.visible |\.weak )?\.entry /{ k = $NF; sub(/\($/, "", k); order[++n] = k }
-               n && /griddepcontrol\.wait/ { waits[k]++ }
-               n && /ld\.global\.nc/ { nc[k]++ }
-               END { for (i = 1; i <= n; i++) if (waits[order[i]] && nc[order[i]])
-                         printf "  %s: %d non-coherent loads\n", order[i], nc[order[i]] }' "$tmp/k.ptx")
-    kernels=$(grep -cE '^(\.visible |\.weak )?\.entry ' "$tmp/k.ptx")
-    waiting=$(awk '/^(\.visible |\.weak )?\.entry /{ w = 0 } /griddepcontrol\.wait/ && !w { w = 1; c++ } END { print c + 0 }' "$tmp/k.ptx")
+    # Per kernel (.entry to the next): whether it waits and how many non-coherent loads it has. First line: the kernels
+    # and how many wait; then one line per kernel that has both.
+    report=$(awk '/^(\.visible |\.weak )?\.entry /{ k = $NF; sub(/\($/, "", k); order[++n] = k }
+                  n && /griddepcontrol\.wait/ { waits[k]++ }
+                  n && /ld\.global\.nc/ { nc[k]++ }
+                  END { for (i = 1; i <= n; i++) waiting += waits[order[i]] > 0
+                        print n, waiting
+                        for (i = 1; i <= n; i++) if (waits[order[i]] && nc[order[i]])
+                            printf "  %s: %d non-coherent loads\n", order[i], nc[order[i]] }' "$tmp/k.ptx")
+    read -r kernels waiting <<< "${report%%$'\n'*}"
+    bad=$(printf '%s\n' "$report" | tail -n +2)
     if [ -n "$bad" ]; then
         failed=$((failed + 1)); echo "FAIL $name: kernels that wait for the kernel before and read through ld.global.nc"
         printf '%s\n' "$bad"
