@@ -147,9 +147,12 @@ __device__ __forceinline__ void load_x(uint4 *xa, uint4 *xb, const uint16_t *x0,
 }
 
 /* acc += one tile's x times the pass's weight fragments (and the tile's sums of squares of x, with the norm); x is
- * scaled by Pi0.5's adaptive scale sv in place first. */
-template <int NT, int C, bool SCALE>
-__device__ __forceinline__ void tile_product(float (&acc)[NT][4], float (&ss)[2], uint4 *xa, uint4 *xb,
+ * scaled by Pi0.5's adaptive scale sv in place first. With SPLIT the second mma of each chunk (its k slots 8..15)
+ * accumulates into acc2 instead: two dependent chains of C mma each rather than one of 2 C. Once x lands, that chain is
+ * what the product costs (~30 cycles an mma; down's 16 in a row were ~0.3 us), and the two are added before the warps'
+ * reduction. */
+template <int NT, int C, bool SCALE, bool SPLIT>
+__device__ __forceinline__ void tile_product(float (&acc)[NT][4], float (&acc2)[NT][4], float (&ss)[2], uint4 *xa, uint4 *xb,
                                              const uint4 (&wv)[C][NT], const uint4 *sv, int rms_norm) {
 #pragma unroll
     for (int c = 0; c < C; c++) {
@@ -166,7 +169,7 @@ __device__ __forceinline__ void tile_product(float (&acc)[NT][4], float (&ss)[2]
 #pragma unroll
         for (int j = 0; j < NT; j++) {
             mma_bf16(acc[j], a_lo, wv[c][j].x, wv[c][j].y);
-            mma_bf16(acc[j], a_hi, wv[c][j].z, wv[c][j].w);
+            mma_bf16(SPLIT ? acc2[j] : acc[j], a_hi, wv[c][j].z, wv[c][j].w);
         }
     }
 }
@@ -180,6 +183,9 @@ __device__ __forceinline__ void tile_product(float (&acc)[NT][4], float (&ss)[2]
 template <int NT, int C, int R, bool SCALE>
 __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams p) {
     constexpr int NC = 8 * NT, ROWS = 16 * R; /* columns and rows of the block */
+    /* Two accumulator chains (tile_product) where their registers fit: with two tiles of two n8 tiles they spilled,
+     * and Pi0.5's scaled QKV and gate|up (127 registers) gained nothing (bench/NOTES.md, session 24). */
+    constexpr bool SPLIT = !SCALE && (R == 1 || NT == 1);
     extern __shared__ float smem[];
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -209,13 +215,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     if (rope && (int)threadIdx.x < ROWS * (NC / 2) && m0 + (int)threadIdx.x / (NC / 2) < p.m)
         early_rope = rope_at(p, m0 + (int)threadIdx.x / (NC / 2), i0 + (int)threadIdx.x % (NC / 2));
 
-    float acc[R][NT][4];
+    float acc[R][NT][4], acc2[R][NT][4];
     float ss[R][2]; /* sums of squares of the lane's rows g and g + 8 of each tile */
 #pragma unroll
     for (int r = 0; r < R; r++) {
         ss[r][0] = ss[r][1] = 0.f;
 #pragma unroll
         for (int j = 0; j < NT; j++) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.f;
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc2[r][j][0] = acc2[r][j][1] = acc2[r][j][2] = acc2[r][j][3] = 0.f;
     }
 
     pdl_trigger(); /* the next kernel may start streaming its weights */
@@ -235,10 +243,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
         pdl_wait(); /* x is the previous kernel's output (a no-op after the first pass) */
         uint4 xa[C], xb[C];
         load_x<C>(xa, xb, x0, x1, row0[0], row1[0], kb + t * 8, p.k);
-        tile_product<NT, C, SCALE>(acc[0], ss[0], xa, xb, wv, sv, p.rms_norm);
+        tile_product<NT, C, SCALE, SPLIT>(acc[0], acc2[0], ss[0], xa, xb, wv, sv, p.rms_norm);
         if constexpr (R == 2) {
             load_x<C>(xa, xb, x0 + tile_stride, x1 + tile_stride, row0[1], row1[1], kb + t * 8, p.k);
-            tile_product<NT, C, SCALE>(acc[1], ss[1], xa, xb, wv, sv, p.rms_norm);
+            tile_product<NT, C, SCALE, SPLIT>(acc[1], acc2[1], ss[1], xa, xb, wv, sv, p.rms_norm);
         }
     }
 
@@ -260,6 +268,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
         early_gate = p.gate ? p.gate[first_n] : 1.f;
     }
 
+    if constexpr (SPLIT) {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[r][j][e] += acc2[r][j][e];
+    }
     /* Partials to shared memory: [warp][row][column], then sums of squares [warp][row]. */
     float *part = smem + warp * ROWS * NC;
     float *sums = smem + warps * ROWS * NC;
