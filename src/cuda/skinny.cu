@@ -221,9 +221,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     for (int r = 0; r < R; r++) {
         ss[r][0] = ss[r][1] = 0.f;
 #pragma unroll
-        for (int j = 0; j < NT; j++) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.f;
+        for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int j = 0; j < NT; j++) acc2[r][j][0] = acc2[r][j][1] = acc2[r][j][2] = acc2[r][j][3] = 0.f;
+            for (int e = 0; e < 4; e++) acc[r][j][e] = acc2[r][j][e] = 0.f;
     }
 
     pdl_trigger(); /* the next kernel may start streaming its weights */
