@@ -48,11 +48,12 @@
  * (One instantiation per head dim instead, 32 of them, would take this file's build from ~30 s to ~4 min
  * for the four GPU archs, and the library from ~3 to ~13 MB.)
  *
- * On an H100/H200, head dim 256 (Gemma: the prefix, and denoise steps too long for the few-queries kernels) runs
- * attention_wg_kernel below instead: the same blocks with wgmma products and tensor-copy (TMA) loads.
+ * On an H100/H200, head dim 256 (Gemma: the prefix, and denoise steps too long for the few-queries kernels) and the
+ * ViT's 72 (while its grid fits one wave) run attention_wg_kernel below instead: the same blocks with wgmma products
+ * and tensor-copy (TMA) loads.
  *
- * Trade-offs and what is left on the table: (1) mma.sync for everything else (sm_80..sm_89, and the ViT's head
- * dim 72 on Hopper). (2) The key split is capped at 16 (a non-portable cluster,
+ * Trade-offs and what is left on the table: (1) mma.sync for everything else (sm_80..sm_89, the padded head dims, and
+ * the ViT's batches on Hopper). (2) The key split is capped at 16 (a non-portable cluster,
  * sm_90); a batch-1 denoise step walks at most one tile per block. (3) Unaligned pointers or leading dimensions (not
  * multiples of 8 elements) take a correct but slow scalar copy path instead of cp.async. (4) P is
  * rounded to bf16 before P V (relative error ~2^-9 per weight, as in FlashAttention); the row sum l
@@ -347,21 +348,25 @@ __device__ __forceinline__ void wg_scores(float (&s)[kKeys / 8][4], uint64_t q_d
 }
 
 /* O += P V over a 64-key tile as one warpgroup's wgmma batch (sm_90a): P from the S accumulators (rounded to bf16,
- * as accumulate_pv), V swizzled (tile_at) and read MN-major (v_desc: 64-column blocks LBO apart, 8-key groups SBO). */
+ * as accumulate_pv), V swizzled (tile_at) and read MN-major (v_desc: 64-column blocks LBO apart, 8-key groups SBO): 64
+ * output columns a product, and a head dim's last 8 (the ViT's 72 = 64 + 8) in one of 8. */
 template <int HD>
 __device__ __forceinline__ void wg_accumulate_pv(float (&o)[HD / 8][4], const float (&s)[kKeys / 8][4], uint64_t v_desc) {
     using C = AttnConfig<HD>;
-    static_assert(C::NTO % 8 == 0, "m64n64 output blocks");
+    static_assert(C::NTO % 8 == 0 || C::NTO % 8 == 1, "m64n64 output blocks and at most one m64n8");
     uint32_t a[kKeys / 16][4];
 #pragma unroll
     for (int kc = 0; kc < kKeys / 16; kc++) p_fragment(a[kc], s, kc);
     wg_fence();
 #pragma unroll
-    for (int kc = 0; kc < kKeys / 16; kc++)
+    for (int kc = 0; kc < kKeys / 16; kc++) {
 #pragma unroll
         for (int nb = 0; nb < C::NTO / 8; nb++) /* keys 16 kc.. (16 rows of 128 bytes), dims 64 nb.. (a column block) */
             wg_m64n64k16_rs_tb(*reinterpret_cast<float(*)[8][4]>(o + 8 * nb), a[kc],
                                v_desc + ((nb * kBlockBytes + kc * 16 * 128) >> 4));
+        if constexpr (C::NTO % 8 == 1)
+            wg_m64n8k16_rs_tb(o[C::NTO - 1], a[kc], v_desc + (((C::NTO / 8) * kBlockBytes + kc * 16 * 128) >> 4));
+    }
     wg_commit();
     wg_wait_all();
     wg_pin(o);
@@ -654,16 +659,16 @@ __global__ void __launch_bounds__(kThreads, HD < 128 && KEYS == kKeys ? 4 : 2) a
 }
 
 /*
- * The tiled kernel on Hopper (sm_90a; head dim 256): the same blocks, rows, masks, online softmax, split and merge,
- * with the work per 64-key tile cut to what Hopper needs to issue (bench/NOTES.md, session 12: the mma.sync kernel
- * issues ~2,600 instructions a tile a warp, at one warp a scheduler and ~4.5 cycles each, and that, not its loads or
- * its math, is its time). The products are wgmma batches (hopper.cuh: 16 + 16 instructions a tile for the
+ * The tiled kernel on Hopper (sm_90a; head dims 256 and 72): the same blocks, rows, masks, online softmax, split and
+ * merge, with the work per 64-key tile cut to what Hopper needs to issue (bench/NOTES.md, session 12: the mma.sync
+ * kernel issues ~2,600 instructions a tile a warp, at one warp a scheduler and ~4.5 cycles each, and that, not its
+ * loads or its math, is its time). The products are wgmma batches (hopper.cuh: 16 + 16 instructions a tile for the
  * warpgroup, against 256 mma.sync and 144 ldmatrix a warp). K and V arrive by tensor copies (TMA) that one thread
- * issues, 8 a tile, into a ring of kStages (K, V) tile pairs with an mbarrier each, refilled as soon as a slot is
- * free (the copies' 32 cp.async a thread and their address math were ~400 instructions a tile). Q is copied once,
- * by every thread, into the same 128-byte-swizzled layout the copies write. A last tile that would run past the
- * segment's keys is moved back to end at its last key, its first keys (seen before) masked, so that no copy reads
- * past the keys it was given (in a segment of under 64 keys the rows before it are masked, and their V zeroed).
+ * issues, 8 a tile, into a ring of kStages (K, V) tile pairs with an mbarrier each, refilled as soon as a slot is free
+ * (the copies' 32 cp.async a thread and their address math were ~400 instructions a tile). Q is copied once, by every
+ * thread, into the same 128-byte-swizzled layout the copies write. A last tile that would run past the segment's keys
+ * is moved back to end at its last key, its first keys (seen before) masked, so that no copy reads past the keys it was
+ * given (in a segment of under 64 keys the rows before it are masked, and their V zeroed).
  *
  * Two consumer warpgroups share the block's Q tile and ring and take its key tiles in turn (warpgroup w the tiles
  * w, w + 2, ...), each with its own running softmax, so that a block's chain of tiles (a tile is a serial chain of
@@ -677,13 +682,19 @@ __global__ void __launch_bounds__(kThreads, HD < 128 && KEYS == kKeys ? 4 : 2) a
  * Prefix attention 16.7 -> 14.9 us a layer on an H200 against one warpgroup. The ring takes 226 KB of shared
  * memory: one block an SM. The host takes this kernel only in builds with sm_90a code (PI0_SM90A_BUILD); elsewhere
  * it runs attention_kernel.
+ *
+ * The ViT's head dim 72 is a 64-column block and 8 columns of a second: its tiles are 128 columns wide (113 KB in
+ * all), the tensor copies fill the columns past 72 with zeros (the maps end at the head, kv_tensor_map), Q's are
+ * zeroed once, S takes 5 k16 steps (the fifth over columns 64-79) and P V one m64n64 and one m64n8 product a k16 step.
  */
 constexpr int kStages = 3;
 constexpr int kWgThreads = 2 * kThreads; /* two consumer warpgroups */
 
 template <int HD>
-struct WgConfig { /* Q and the ring's K and V tiles (64 unpadded rows each), 1 KB of alignment slack, the barriers */
-    static constexpr size_t SMEM = (size_t)(1 + 2 * kStages) * kRows * HD * sizeof(uint16_t) + 1024 + 8 * kStages;
+struct WgConfig { /* Q and the ring's K and V tiles (64 rows each of whole 64-column blocks), 1 KB of alignment slack,
+                   * the barriers */
+    static constexpr int HDS = (HD + 63) / 64 * 64; /* a tile's columns: 128 for the ViT's 72 */
+    static constexpr size_t SMEM = (size_t)(1 + 2 * kStages) * kRows * HDS * sizeof(uint16_t) + 1024 + 8 * kStages;
     static_assert(AttnConfig<HD>::PARTIALS <= SMEM, "a split's partials must fit");
 };
 
@@ -702,10 +713,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                         const __grid_constant__ CUtensorMap v_map) {
 #if PI0_WGMMA
     using C = AttnConfig<HD>;
-    static_assert(HD % 64 == 0 && C::HDP == HD, "m64n64 output blocks, no padded columns");
+    constexpr int HDS = WgConfig<HD>::HDS;
+    static_assert(HD % 64 == 0 || HD % 64 == 8, "whole 64-column blocks, and 8 columns past them at most");
     static_assert(kStages % 2 == 1, "a slot's consecutive tiles belong to different warpgroups");
     constexpr int chunks = HD / 8;
-    constexpr uint32_t kTileBytes = kRows * HD * 2;
+    constexpr uint32_t kTileBytes = kRows * HDS * 2;
     static_assert(2 * kTileBytes + (C::NTO + 1) * kThreads * sizeof(float4) <= kStages * 2 * kTileBytes,
                   "warpgroup 1's partials fit in the ring past its first slot");
     const attn_segment seg = p.segments[blockIdx.z];
@@ -736,14 +748,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         const int key0 = (rank + i * split) * kKeys;
         return key0 + kKeys > num_k ? num_k - kKeys : key0;
     };
-    auto load_tile = [&](int i) { /* one thread: 2 x HD / 64 boxes of 64 keys x 64 dims, one barrier */
+    auto load_tile = [&](int i) { /* one thread: 2 x HDS / 64 boxes of 64 keys x 64 dims, one barrier */
         const uint32_t dk = ring + (i % kStages) * 2 * kTileBytes, bar = bars + 8 * (i % kStages);
         const int y = seg.k_row + tile_key0(i);
         mbar_expect_bytes(bar, 2 * kTileBytes);
 #pragma unroll
-        for (int b = 0; b < HD / 64; b++) {
-            tma_load_2d(dk + b * kBlockBytes, &k_map, kvh * HD + b * 64, y, bar);
-            tma_load_2d(dk + kTileBytes + b * kBlockBytes, &v_map, kvh * HD + b * 64, y, bar);
+        for (int b = 0; b < HDS / 64; b++) { /* columns past HD are outside the map: they arrive as zeros */
+            tma_load_3d(dk + b * kBlockBytes, &k_map, b * 64, kvh, y, bar);
+            tma_load_3d(dk + kTileBytes + b * kBlockBytes, &v_map, b * 64, kvh, y, bar);
         }
     };
     /* Launched as a dependent (pi0_cuda_attention_ws), the tiles of keys before the segment's last num_q stream in
@@ -757,6 +769,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
              issued++)
             load_tile(issued);
     }
+    if constexpr (HDS > HD) /* Q's columns past HD: zeros, which the copies never write */
+        for (int i = tid; i < kRows * (HDS / 8 - chunks); i += kWgThreads) {
+            const int r = i % kRows, c = chunks + i / kRows;
+            *reinterpret_cast<uint4 *>(sQ + tile_at<true>(r, c, kRows * 64)) = make_uint4(0, 0, 0, 0);
+        }
     pdl_wait();
     copy_q_rows<true>(sQ, kRows * 64, p.q + (size_t)seg.q_row * p.ldq + (size_t)kvh * G * HD, p.ldq, HD, G, r_begin,
                       kRows, rows_total, chunks, tid, kWgThreads, p.vec_q != 0);
@@ -862,12 +879,14 @@ constexpr size_t tiled_smem() {
 }
 
 /*
- * A tensor map of K or V for the wgmma kernel's copies: rows of ldkv bf16 (row = key), boxes of 64 keys x 64 columns
- * in the 128-byte swizzle. The number of rows is not known here (the segments live in device memory); the kernel never
+ * A tensor map of K or V for the wgmma kernel's copies: (column, head, row) over num_kv_heads heads of head_dim columns
+ * in rows of ldkv bf16 (row = key), boxes of 64 columns of one head x 64 keys in the 128-byte swizzle. A head dim that
+ * is not a multiple of 64 (the ViT's 72) ends inside a box: the columns past it are outside the map, and the copies
+ * fill them with zeros. The number of rows is not known here (the segments live in device memory); the kernel never
  * asks for a row past a segment's last key, so the map's extent is only a bound: every row a coordinate (an int) can
  * name. False where the driver has no tensor maps or refuses this one (the caller then takes the mma.sync kernel).
  */
-bool kv_tensor_map(CUtensorMap *map, const void *base, int ldkv) {
+bool kv_tensor_map(CUtensorMap *map, const void *base, int ldkv, int head_dim, int num_kv_heads) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode;
     static int looked_up;
     if (!__atomic_load_n(&looked_up, __ATOMIC_ACQUIRE)) {
@@ -882,9 +901,10 @@ bool kv_tensor_map(CUtensorMap *map, const void *base, int ldkv) {
         __atomic_store_n(&looked_up, 1, __ATOMIC_RELEASE);
     }
     if (!encode) return false;
-    const cuuint64_t dims[2] = {(cuuint64_t)ldkv, (cuuint64_t)INT32_MAX}, strides[1] = {(cuuint64_t)ldkv * 2};
-    const cuuint32_t box[2] = {64, kKeys}, elem_strides[2] = {1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dims, strides, box, elem_strides,
+    const cuuint64_t dims[3] = {(cuuint64_t)head_dim, (cuuint64_t)num_kv_heads, (cuuint64_t)INT32_MAX};
+    const cuuint64_t strides[2] = {(cuuint64_t)head_dim * 2, (cuuint64_t)ldkv * 2};
+    const cuuint32_t box[3] = {64, 1, kKeys}, elem_strides[3] = {1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void *>(base), dims, strides, box, elem_strides,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -1010,7 +1030,8 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
     if ((long long)row_tiles * split > 0x7fffffffLL) return cudaErrorInvalidValue;
     CUtensorMap k_map, v_map; /* the wgmma kernel's tensor copies of K and V */
     if constexpr (WG)
-        if (!kv_tensor_map(&k_map, base.k, base.ldkv) || !kv_tensor_map(&v_map, base.v, base.ldkv))
+        if (!kv_tensor_map(&k_map, base.k, base.ldkv, base.head_dim, num_kv_heads) ||
+            !kv_tensor_map(&v_map, base.v, base.ldkv, base.head_dim, num_kv_heads))
             return cudaErrorNotSupported;
     for (int first = 0; first < num_segments; first += kMaxZ) {
         AttnParams p = base;
@@ -1029,24 +1050,9 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
     return cudaSuccess;
 }
 
-/* Head dim 72 (the ViT): the 256-key tile while the grid fits the GPU in one wave (two blocks an SM: 1-4 images,
- * where a block's chain of tiles is the time; 9.8 -> 8.2 us a layer at 2), the 64-key tiles beyond (batches, where
- * four blocks an SM keep more warps busy: the 256-key tile took vision +2-4% at 8-128 images). */
-cudaError_t launch_vit(const AttnParams &p, int num_segments, int row_tiles, int num_kv_heads, bool dependent,
-                       cudaStream_t stream) {
-    DeviceInfo d;
-    const cudaError_t e = configure<72, false, false, 256>(&d);
-    if (e != cudaSuccess) return e;
-    if ((long long)row_tiles * num_kv_heads * num_segments <= (long long)d.sms * d.blocks_per_sm)
-        return launch<72, false, false, 256>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
-    return launch<72, false, false>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
-}
-
-bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
-
-/* Whether head dim 256 takes the wgmma kernel on the current device: one of compute capability 9.0 (sm_90a's code),
- * in a build with sm_90a code (PI0_SM90A_BUILD, set by the Makefile), unless PI0_ATTN_WGMMA=0 (A/B runs). Decided per
- * device, as configure's limits are: a process may drive GPUs of different kinds. */
+/* Whether head dims 256 and 72 take the wgmma kernel on the current device: one of compute capability 9.0 (sm_90a's
+ * code), in a build with sm_90a code (PI0_SM90A_BUILD, set by the Makefile), unless PI0_ATTN_WGMMA=0 (A/B runs).
+ * Decided per device, as configure's limits are: a process may drive GPUs of different kinds. */
 bool use_wgmma(void) {
 #ifndef PI0_SM90A_BUILD
     return false;
@@ -1069,6 +1075,31 @@ bool use_wgmma(void) {
     }
     return d == 2;
 }
+
+/* Head dim 72 (the ViT). On an H100/H200 (use_wgmma) the wgmma kernel while its grid fits the GPU in one wave (one
+ * block an SM: 1-2 images; vision 1.60 -> 1.56 ms at 2 on an H100, bench/NOTES.md session 25). Elsewhere, and past
+ * that, the mma.sync kernel: the 256-key tile while the grid fits in one wave (two blocks an SM: 1-4 images, where a
+ * block's chain of tiles is the time; 9.8 -> 8.2 us a layer at 2), the 64-key tiles beyond (batches, where four blocks
+ * an SM keep more warps busy: the 256-key tile took vision +2-4% at 8-128 images). */
+cudaError_t launch_vit(const AttnParams &p, int num_segments, int row_tiles, int num_kv_heads, bool dependent,
+                       cudaStream_t stream) {
+    const long long blocks = (long long)row_tiles * num_kv_heads * num_segments;
+    DeviceInfo d;
+    cudaError_t e;
+    if (use_wgmma() && p.vec_kv) { /* the tensor copies need 16-byte aligned rows */
+        if ((e = configure<72, false, true, kKeys>(&d)) != cudaSuccess) return e;
+        if (blocks <= (long long)d.sms * d.blocks_per_sm) {
+            e = launch<72, false, true>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
+            if (e != cudaErrorNotSupported) return e; /* not supported: no tensor maps in this driver */
+        }
+    }
+    if ((e = configure<72, false, false, 256>(&d)) != cudaSuccess) return e;
+    if (blocks <= (long long)d.sms * d.blocks_per_sm)
+        return launch<72, false, false, 256>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
+    return launch<72, false, false>(p, num_segments, row_tiles, num_kv_heads, dependent, stream);
+}
+
+bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
 
 /*
  * Few queries against many keys (a small-batch denoise step: 11 tokens x 8 heads = 88 virtual rows

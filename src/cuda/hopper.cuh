@@ -110,6 +110,20 @@ static __device__ __forceinline__ void wg_m64n64k16_rs_tb(float (&d)[8][4], cons
 #endif
 }
 
+/* d (64 x 8 f32) += a b, as wg_m64n64k16_rs_tb for 8 columns of b (the first 8 of a 64-column block). */
+static __device__ __forceinline__ void wg_m64n8k16_rs_tb(float (&d)[4], const uint32_t (&a)[4], uint64_t b_desc) {
+#if PI0_WGMMA
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8,"
+                 " p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+#else
+    (void)d, (void)a, (void)b_desc;
+    __trap();
+#endif
+}
+
 #undef PI0_WG_D32
 #undef PI0_WG_REGS32
 
@@ -143,15 +157,17 @@ static __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) 
 #endif
 }
 
-/* A 2-D box of `map` at (x, y) (x the contiguous dimension; out-of-range elements arrive as zeros) into shared memory
- * at dst, its bytes counted on bar. */
-static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int x, int y, uint32_t bar) {
+/* A 3-D box of `map` at (x, y, z) (x the contiguous dimension; out-of-range elements arrive as zeros) into shared
+ * memory at dst, its bytes counted on bar. */
+static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, int x, int y, int z,
+                                                   uint32_t bar) {
 #if PI0_WGMMA
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-                 ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(bar)
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
                  : "memory");
 #else
-    (void)dst, (void)map, (void)x, (void)y, (void)bar;
+    (void)dst, (void)map, (void)x, (void)y, (void)z, (void)bar;
     __trap();
 #endif
 }
