@@ -684,17 +684,18 @@ __global__ void __launch_bounds__(kThreads, HD < 128 && KEYS == kKeys ? 4 : 2) a
  * it runs attention_kernel.
  *
  * The ViT's head dim 72 is a 64-column block and 8 columns of a second: its tiles are 128 columns wide (113 KB in
- * all), the tensor copies fill the columns past 72 with zeros (the maps end at the head, kv_tensor_map), Q's are
+ * all: two blocks an SM), the tensor copies fill the columns past 72 with zeros (the maps end at the head, kv_tensor_map), Q's are
  * zeroed once, S takes 5 k16 steps (the fifth over columns 64-79) and P V one m64n64 and one m64n8 product a k16 step.
  */
 constexpr int kStages = 3;
 constexpr int kWgThreads = 2 * kThreads; /* two consumer warpgroups */
 
 template <int HD>
-struct WgConfig { /* Q and the ring's K and V tiles (64 rows each of whole 64-column blocks), 1 KB of alignment slack,
-                   * the barriers */
+struct WgConfig { /* Q and the ring's K and V tiles (64 rows each of whole 64-column blocks), and 1 KB of alignment
+                   * slack that also holds the ring's barriers (the kernel's `bars`) */
     static constexpr int HDS = (HD + 63) / 64 * 64; /* a tile's columns: 128 for the ViT's 72 */
-    static constexpr size_t SMEM = (size_t)(1 + 2 * kStages) * kRows * HDS * sizeof(uint16_t) + 1024 + 8 * kStages;
+    /* 113 KB for the ViT: two blocks an SM (228 KB, 1 KB of it reserved per block), with not a byte to spare */
+    static constexpr size_t SMEM = (size_t)(1 + 2 * kStages) * kRows * HDS * sizeof(uint16_t) + 1024;
     static_assert(AttnConfig<HD>::PARTIALS <= SMEM, "a split's partials must fit");
 };
 
@@ -739,7 +740,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
     /* Shared memory: Q, then the ring's slots (K, then V), 1024-byte aligned for the swizzle; then the barriers. */
     const uint32_t raw = smem_addr(attn_smem), q_tile = (raw + 1023) & ~1023u, ring = q_tile + kTileBytes;
-    const uint32_t bars = ring + kStages * 2 * kTileBytes;
+    /* the barriers in the alignment slack: before Q where it left room, else past the ring (then Q is at most 16 bytes
+     * past raw, and the slack's other 1008 bytes follow the ring) */
+    const uint32_t bars = q_tile - raw >= 8 * kStages ? q_tile - 8 * kStages : ring + kStages * 2 * kTileBytes;
     uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem + (q_tile - raw));
 
     /* The first key of the block's i-th tile: tile rank + i split, or for a last tile that would run past num_k
@@ -1076,11 +1079,11 @@ bool use_wgmma(void) {
     return d == 2;
 }
 
-/* Head dim 72 (the ViT). On an H100/H200 (use_wgmma) the wgmma kernel while its grid fits the GPU in one wave (one
- * block an SM: 1-2 images; vision 1.60 -> 1.56 ms at 2 on an H100, bench/NOTES.md session 25). Elsewhere, and past
- * that, the mma.sync kernel: the 256-key tile while the grid fits in one wave (two blocks an SM: 1-4 images, where a
- * block's chain of tiles is the time; 9.8 -> 8.2 us a layer at 2), the 64-key tiles beyond (batches, where four blocks
- * an SM keep more warps busy: the 256-key tile took vision +2-4% at 8-128 images). */
+/* Head dim 72 (the ViT). On an H100/H200 (use_wgmma) the wgmma kernel while its grid fits the GPU in one wave (two
+ * blocks an SM: 1-4 images; vision 1.60 -> 1.56 ms at 2 on an H100, 1.95 -> 1.93 at 3, bench/NOTES.md session 25).
+ * Elsewhere, and past that, the mma.sync kernel: the 256-key tile while the grid fits in one wave (two blocks an SM,
+ * where a block's chain of tiles is the time; 9.8 -> 8.2 us a layer at 2), the 64-key tiles beyond (batches, where
+ * four blocks an SM keep more warps busy: the 256-key tile took vision +2-4% at 8-128 images). */
 cudaError_t launch_vit(const AttnParams &p, int num_segments, int row_tiles, int num_kv_heads, bool dependent,
                        cudaStream_t stream) {
     const long long blocks = (long long)row_tiles * num_kv_heads * num_segments;
