@@ -684,8 +684,9 @@ __global__ void __launch_bounds__(kThreads, HD < 128 && KEYS == kKeys ? 4 : 2) a
  * it runs attention_kernel.
  *
  * The ViT's head dim 72 is a 64-column block and 8 columns of a second: its tiles are 128 columns wide (113 KB in
- * all: two blocks an SM), the tensor copies fill the columns past 72 with zeros (the maps end at the head, kv_tensor_map), Q's are
- * zeroed once, S takes 5 k16 steps (the fifth over columns 64-79) and P V one m64n64 and one m64n8 product a k16 step.
+ * all: two blocks an SM), the tensor copies fill the columns past 72 with zeros (the maps end at the head,
+ * kv_tensor_map), Q's are zeroed once, S takes 5 k16 steps (the fifth over columns 64-79) and P V one m64n64 and one
+ * m64n8 product a k16 step.
  */
 constexpr int kStages = 3;
 constexpr int kWgThreads = 2 * kThreads; /* two consumer warpgroups */
