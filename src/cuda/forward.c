@@ -135,7 +135,8 @@ static pi0_status block_residual(cuda_state *s, const gemma_rows *r, const pi0_b
 }
 
 /* x += attn(norm(x)) Wo; x += MLP(norm(x)), Pi0.5's adaptive norms and gated residuals with `mods`
- * (docs/model.md#gemma-block); K/V go to the layer's cache first. With kv_only the block stops there. */
+ * (docs/model.md#gemma-block); K/V go to the layer's cache first. With kv_only the block stops there, and its
+ * product covers only the K and V columns (the prefix's last layer: nothing reads its queries). */
 static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0_stack_dims *d, const gemma_rows *r,
                               pi0_bf16 *cache_k, pi0_bf16 *cache_v, int kv_only, const block_mods *mods, pi0_error *err) {
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
@@ -145,8 +146,10 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
         return gemma_block_skinny(s, l, d, r, cache_k, cache_v, mods, err);
     TRY(block_norm(s, r, W, l->input_norm, mods ? &mods->attn : NULL, r->after_wait, r->parts_pending, r->pending_gate,
                    err));
-    TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->b->h, .w = l->qkv_w, .out = r->b->qkv, .alpha = 1}, err));
-    CUDA_TRY(pi0_cuda_rope_qkv(r->b->qkv, r->rows, d->num_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
+    const int q_heads = kv_only ? 0 : d->num_heads, q_cols = q_heads * hd; /* w's rows are q's, then k's and v's */
+    TRY(gemm(s, (gemm_args){.m = r->rows, .n = qkv_dim - q_dim + q_cols, .k = W, .x = r->b->h,
+                            .w = l->qkv_w + (size_t)(q_dim - q_cols) * W, .out = r->b->qkv, .alpha = 1}, err));
+    CUDA_TRY(pi0_cuda_rope_qkv(r->b->qkv, r->rows, q_heads, d->num_kv_heads, hd, r->positions, r->cache_rows, cache_k,
                                cache_v, s->w.rope_cos, s->w.rope_sin, s->stream));
     if (r->kv_written) CUDA_TRY(cudaEventRecord(r->kv_written, s->stream));
     if (kv_only) return PI0_OK;
