@@ -78,23 +78,23 @@ static void block_residual(float *x, const float *in, int rows, int in_dim, cons
  * adaptive norms and gated residuals when mod_attn / mod_mlp are given (docs/model.md#gemma-block).
  * K and V of these rows are stored into the layer's cache before attention, so the rows attend to
  * whatever the cache already holds (the prefix) and to each other. With kv_only the block stops
- * once its K/V are stored: the prefix pass's last layer has no other use.
+ * once its K/V are stored, before its queries: the prefix pass's last layer has no other use.
  */
 static int gemma_block(const gemma_layer *l, const pi0_stack_dims *d, float *x, const gemma_rows *r, float *cache_k,
                        float *cache_v, const rope_table *rope, gemma_scratch *s, int kv_only, norm_mod mod_attn,
                        norm_mod mod_mlp) {
     int W = d->width, hd = d->head_dim, q_dim = d->num_heads * hd, kv_dim = d->num_kv_heads * hd;
     block_norm(s->h, x, r->rows, W, l->input_norm, mod_attn);
-    cpu_linear(s->q, s->h, r->rows, W, l->q_w, NULL, q_dim);
     cpu_linear(s->k, s->h, r->rows, W, l->k_w, NULL, kv_dim);
     cpu_linear(s->v, s->h, r->rows, W, l->v_w, NULL, kv_dim);
-    cpu_rope(s->q, r->rows, q_dim, d->num_heads, hd, r->positions, rope);
     cpu_rope(s->k, r->rows, kv_dim, d->num_kv_heads, hd, r->positions, rope);
     for (int i = 0; i < r->rows; i++) {
         memcpy(cache_k + (size_t)r->cache_row[i] * kv_dim, s->k + (size_t)i * kv_dim, kv_dim * sizeof(float));
         memcpy(cache_v + (size_t)r->cache_row[i] * kv_dim, s->v + (size_t)i * kv_dim, kv_dim * sizeof(float));
     }
-    if (kv_only) return 0;
+    if (kv_only) return 0; /* nothing reads this layer's queries either */
+    cpu_linear(s->q, s->h, r->rows, W, l->q_w, NULL, q_dim);
+    cpu_rope(s->q, r->rows, q_dim, d->num_heads, hd, r->positions, rope);
     if (cpu_attention(s->att, q_dim, s->q, q_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
                       d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd)))
         return -1;
