@@ -255,6 +255,8 @@ TEST(rope_qkv_matches_cpu) {
     rope_case(7, 4, 2, 32);
     rope_case(5, 3, 2, 8);
     rope_case(6, 3, 1, 12); /* not: a pair a thread */
+    rope_case(33, 0, 1, 256); /* K and V only (the prefix's last layer, forward.c's kv_only) */
+    rope_case(5, 0, 2, 12);
 }
 
 TEST(im2col_and_bias_pos) {
