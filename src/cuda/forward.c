@@ -21,6 +21,11 @@
 #include "util/error.h"
 
 #define BESIDE_MAX_ROWS 64 /* first_step_beside */
+/* The shared-memory carveout (percent) the first step's skinny Linears ask for beside the prefix: the driver's
+ * choice for them (the most L1) kept their blocks off the multiprocessors that the prefix's kernels hold at a larger
+ * carveout; 58 (132 KB on Hopper) lets them share those (prefix stage -0.05 ms on an H100; 100 slowed it, and the
+ * hint on every step's Linears cost steps 1-9 more than it gave: bench/NOTES.md, session 26). */
+#define BESIDE_CARVEOUT 58
 #define PREFIX_DOWN_PARTS 2 /* stack_parts */
 #define PREFIX_PARTS_MAX_ROWS 1024
 #define EXPERT_PARTS 4
@@ -30,9 +35,12 @@ static pi0_status gemm(cuda_state *s, gemm_args a, pi0_error *err) {
     return gemm_run(&s->gemm, &a, s->stream, err);
 }
 
-static pi0_status skinny(const skinny_args *a, cudaStream_t stream, pi0_error *err) {
-    cudaError_t e = pi0_cuda_skinny_linear(a, stream);
-    if (e) return pi0_fail(err, PI0_ERR_BACKEND, "skinny linear (%d x %d x %d): %s", a->m, a->n, a->k, cudaGetErrorString(e));
+/* On s->stream; beside the prefix (the side stream, first_step_beside) with BESIDE_CARVEOUT. */
+static pi0_status skinny(const cuda_state *s, skinny_args a, pi0_error *err) {
+    if (s->side && s->stream == s->side) a.smem_carveout = BESIDE_CARVEOUT;
+    cudaError_t e = pi0_cuda_skinny_linear(&a, s->stream);
+    if (e)
+        return pi0_fail(err, PI0_ERR_BACKEND, "skinny linear (%d x %d x %d): %s", a.m, a.n, a.k, cudaGetErrorString(e));
     return PI0_OK;
 }
 
@@ -84,22 +92,23 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
     int qkv_dim = q_dim + 2 * kv_dim;
     const gemma_buffers *b = r->b;
     const norm_mod none = {0}, *attn = mods ? &mods->attn : &none, *mlp = mods ? &mods->mlp : &none;
-    TRY(skinny(&(skinny_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->x_bf16, .w = l->qkv_w, .rms_norm = 1,
-                              .eps = NORM_EPS, .in_scale = attn->linear_scale, .col_bias = attn->linear_bias,
-                              .epilogue = SKINNY_ROPE_QKV, .out = b->qkv, .heads = d->num_heads,
-                              .kv_heads = d->num_kv_heads, .head_dim = hd, .positions = r->positions,
-                              .cache_rows = r->cache_rows, .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin,
-                              .cache_k = cache_k, .cache_v = cache_v, .plain_launch = r->after_wait}, s->stream, err));
+    TRY(skinny(s, (skinny_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->x_bf16, .w = l->qkv_w, .rms_norm = 1,
+                                .eps = NORM_EPS, .in_scale = attn->linear_scale, .col_bias = attn->linear_bias,
+                                .epilogue = SKINNY_ROPE_QKV, .out = b->qkv, .heads = d->num_heads,
+                                .kv_heads = d->num_kv_heads, .head_dim = hd, .positions = r->positions,
+                                .cache_rows = r->cache_rows, .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin,
+                                .cache_k = cache_k, .cache_v = cache_v, .plain_launch = r->after_wait}, err));
     CUDA_TRY(pi0_cuda_attention_ws(b->att, q_dim, b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
                                    r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd), r->attn_ws,
                                    r->attn_ws_bytes, s->stream));
-    TRY(skinny(&(skinny_args){.m = r->rows, .n = W, .k = q_dim, .x = b->att, .w = l->o_w, .epilogue = SKINNY_RESIDUAL,
-                              .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate}, s->stream, err));
-    TRY(skinny(&(skinny_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->x_bf16, .w = l->gate_up_w, .rms_norm = 1,
-                              .eps = NORM_EPS, .in_scale = mlp->linear_scale, .col_bias = mlp->linear_bias,
-                              .epilogue = SKINNY_GELU_MUL, .out = b->mlp}, s->stream, err));
-    TRY(skinny(&(skinny_args){.m = r->rows, .n = W, .k = d->mlp_dim, .x = b->mlp, .w = l->down_w, .epilogue = SKINNY_RESIDUAL,
-                              .residual = r->x, .residual_bf16 = r->x_bf16, .gate = mlp->gate}, s->stream, err));
+    TRY(skinny(s, (skinny_args){.m = r->rows, .n = W, .k = q_dim, .x = b->att, .w = l->o_w, .epilogue = SKINNY_RESIDUAL,
+                                .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate}, err));
+    TRY(skinny(s, (skinny_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->x_bf16, .w = l->gate_up_w,
+                                .rms_norm = 1, .eps = NORM_EPS, .in_scale = mlp->linear_scale,
+                                .col_bias = mlp->linear_bias, .epilogue = SKINNY_GELU_MUL, .out = b->mlp}, err));
+    TRY(skinny(s, (skinny_args){.m = r->rows, .n = W, .k = d->mlp_dim, .x = b->mlp, .w = l->down_w,
+                                .epilogue = SKINNY_RESIDUAL, .residual = r->x, .residual_bf16 = r->x_bf16,
+                                .gate = mlp->gate}, err));
     return PI0_OK;
 }
 
@@ -314,9 +323,9 @@ static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g
     if (skinny_rows) { /* one sample: the state row with the hidden rows, the action rows straight into the suffix */
         CUDA_TRY(pi0_cuda_action_time_in(g->time_hidden, g->suffix, g->suffix_bf16, g->state_token, g->in.x_t,
                                          w->time_fold_w, time_bias, H, A, We, s->stream));
-        return skinny(&(skinny_args){.m = H, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w,
-                                     .col_bias = w->time_out_b, .epilogue = SKINNY_STORE, .out = g->suffix_bf16 + We,
-                                     .out_f32 = g->suffix + We}, s->stream, err);
+        return skinny(s, (skinny_args){.m = H, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w,
+                                       .col_bias = w->time_out_b, .epilogue = SKINNY_STORE, .out = g->suffix_bf16 + We,
+                                       .out_f32 = g->suffix + We}, err);
     }
     CUDA_TRY(pi0_cuda_linear_small_k(NULL, g->time_hidden, g->in.x_t, w->time_fold_w, time_bias, BH, A, We, 1, s->stream));
     TRY(gemm(s, (gemm_args){.m = BH, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w, .bias = w->time_out_b,
@@ -337,11 +346,11 @@ static pi0_status euler_update(cuda_state *s, const pi0_model *m, cuda_graph *g,
     int pi05 = m->dims.kind == PI0_MODEL_PI05;
     if (skinny_rows) { /* the action rows are the suffix's last H */
         norm_mod mod = pi05 ? step_norm(g, We, 2 * d->depth, step, g->tables->out_col_bias + (size_t)step * A) : (norm_mod){0};
-        return skinny(&(skinny_args){.m = BH, .n = A, .k = We, .x = g->suffix_bf16 + (size_t)(g->suffix_len - BH) * We,
-                                     .w = pi05 ? w->action_out_w : w->action_out_fold_w, .rms_norm = 1, .eps = NORM_EPS,
-                                     .in_scale = mod.linear_scale, .col_bias = pi05 ? mod.linear_bias : w->action_out_b,
-                                     .epilogue = SKINNY_RESIDUAL, .residual = g->in.x_t, .residual_bf16 = g->final_h,
-                                     .gate = g->tables->out_gate}, s->stream, err);
+        return skinny(s, (skinny_args){.m = BH, .n = A, .k = We, .x = g->suffix_bf16 + (size_t)(g->suffix_len - BH) * We,
+                                       .w = pi05 ? w->action_out_w : w->action_out_fold_w, .rms_norm = 1, .eps = NORM_EPS,
+                                       .in_scale = mod.linear_scale, .col_bias = pi05 ? mod.linear_bias : w->action_out_b,
+                                       .epilogue = SKINNY_RESIDUAL, .residual = g->in.x_t, .residual_bf16 = g->final_h,
+                                       .gate = g->tables->out_gate}, err);
     }
     if (pi05)
         CUDA_TRY(pi0_cuda_rmsnorm_mod(g->final_h, g->suffix, g->in.action_rows, BH, We, mod_part(g, We, 2 * d->depth, 0, step),

@@ -366,25 +366,36 @@ Shape choose_shape(int m, int n, int k, int rope, int scale) {
     return s;
 }
 
+/* How a call is launched: plainly or as a programmatic dependent, and the carveout it asks for (skinny_args). */
+struct Launch {
+    bool plain;
+    int carveout;
+    cudaStream_t stream;
+};
+
 template <int NT, int C, int R, bool SCALE>
-cudaError_t launch_as(const SkinnyParams &p, int warps, bool plain, cudaStream_t stream) {
+cudaError_t launch_as(const SkinnyParams &p, int warps, const Launch &l) {
     const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 16 * R - 1) / (16 * R)));
     const size_t smem = (size_t)warps * 16 * R * (8 * NT + 1) * sizeof(float);
-    cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = launch_config(grid, dim3((unsigned)warps * 32), smem, stream);
-    if (!plain) make_dependent(&cfg, &attr);
+    cudaLaunchAttribute attrs[2];
+    cudaLaunchConfig_t cfg = launch_config(grid, dim3((unsigned)warps * 32), smem, l.stream);
+    cfg.attrs = attrs;
+    if (l.carveout > 0) {
+        attrs[cfg.numAttrs].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
+        attrs[cfg.numAttrs++].val.sharedMemCarveout = (unsigned)l.carveout;
+    }
+    if (!l.plain) make_dependent(&cfg, attrs);
     return cudaLaunchKernelEx(&cfg, skinny_kernel<NT, C, R, SCALE>, p);
 }
 
 template <int NT, int C, bool SCALE>
-cudaError_t launch_rows(const SkinnyParams &p, const Shape &s, bool plain, cudaStream_t stream) {
-    return s.row_tiles == 1 ? launch_as<NT, C, 1, SCALE>(p, s.warps, plain, stream)
-                            : launch_as<NT, C, 2, SCALE>(p, s.warps, plain, stream);
+cudaError_t launch_rows(const SkinnyParams &p, const Shape &s, const Launch &l) {
+    return s.row_tiles == 1 ? launch_as<NT, C, 1, SCALE>(p, s.warps, l) : launch_as<NT, C, 2, SCALE>(p, s.warps, l);
 }
 
 template <int NT, int C>
-cudaError_t launch(const SkinnyParams &p, const Shape &s, bool plain, cudaStream_t stream) {
-    return p.in_scale ? launch_rows<NT, C, true>(p, s, plain, stream) : launch_rows<NT, C, false>(p, s, plain, stream);
+cudaError_t launch(const SkinnyParams &p, const Shape &s, const Launch &l) {
+    return p.in_scale ? launch_rows<NT, C, true>(p, s, l) : launch_rows<NT, C, false>(p, s, l);
 }
 
 } /* namespace */
@@ -416,7 +427,7 @@ extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t
                             a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
     const Shape s = choose_shape(a->m, a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL);
     /* C 8 never comes with in_scale (choose_shape), so only C 4 has both variants */
-    const bool plain = a->plain_launch != 0;
-    if (s.chunks == 8) return launch_as<1, 8, 1, false>(p, s.warps, plain, stream);
-    return s.nt == 1 ? launch<1, 4>(p, s, plain, stream) : launch<2, 4>(p, s, plain, stream);
+    const Launch l = {a->plain_launch != 0, a->smem_carveout, stream};
+    if (s.chunks == 8) return launch_as<1, 8, 1, false>(p, s.warps, l);
+    return s.nt == 1 ? launch<1, 4>(p, s, l) : launch<2, 4>(p, s, l);
 }

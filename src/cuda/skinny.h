@@ -66,6 +66,10 @@ typedef struct {
      * event, which stream capture would also make a programmatic edge (to that stream's kernel, whose writes this
      * kernel's successors may read before their own wait). */
     int plain_launch;
+    /* > 0: the split of the multiprocessor's L1 and shared memory this launch asks for, in percent of the largest
+     * shared memory (a hint to the block scheduler, cudaLaunchAttributePreferredSharedMemoryCarveout); 0: the
+     * driver's choice. */
+    int smem_carveout;
 } skinny_args;
 
 /* Whether the kernels take these arguments: k a multiple of 8, 16-byte aligned x and w, n even for
