@@ -23,8 +23,9 @@
 #define BESIDE_MAX_ROWS 64 /* first_step_beside */
 /* The shared-memory carveout (percent) the first step's skinny Linears ask for beside the prefix: the driver's
  * choice for them (the most L1) kept their blocks off the multiprocessors that the prefix's kernels hold at a larger
- * carveout; 58 (132 KB on Hopper) lets them share those (prefix stage -0.05 ms on an H100; 100 slowed it, and the
- * hint on every step's Linears cost steps 1-9 more than it gave: bench/NOTES.md, session 26). */
+ * carveout; 58 (132 KB on Hopper) lets them share those (prefix stage 3.92 -> 3.87 ms on an H100; 25-66 did as well,
+ * 72 and 100 less, and the hint on every step's Linears cost steps 1-9 more than it gave: bench/NOTES.md, sessions
+ * 26 and 27). */
 #define BESIDE_CARVEOUT 58
 #define PREFIX_DOWN_PARTS 2 /* stack_parts */
 #define PREFIX_PARTS_MAX_ROWS 1024
