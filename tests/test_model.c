@@ -644,6 +644,39 @@ static void check_uniform_shape(const char *name) {
 TEST(uniform_shape_pi0) { check_uniform_shape("pi0_tiny"); }
 TEST(uniform_shape_pi05) { check_uniform_shape("pi05_tiny"); }
 
+/* The later denoise steps run the action rows alone (plan.h): each is the first step's row of the same token (its
+ * position and cache row), sees the whole suffix in the cache, and no query of theirs is masked; Pi0.5's two are the
+ * same. */
+static void check_step_rows(const char *name) {
+    fixture f;
+    REQUIRE(fixture_open(&f, name, NULL) == 0);
+    pi0_plan p;
+    pi0_error err = {0};
+    REQUIRE(plan_build(pi0_model_dims(f.model), &f.batch, &p, &err) == PI0_OK, "%s", err.message);
+    const suffix_rows *first = plan_step_rows(&p, 0), *later = plan_step_rows(&p, 1);
+    int H = p.horizon, S = p.suffix_len, state = S - H, wrong = 0;
+    CHECK(first->per_sample == S && later->per_sample == H && plan_step_rows(&p, 9) == later, "%s: %d / %d rows a sample",
+          name, first->per_sample, later->per_sample);
+    CHECK(p.batch >= 2 && p.prefix_keys[0] != p.prefix_keys[1], "%s: the fixture's batch is not ragged", name);
+    for (int b = 0; b < p.batch; b++) {
+        attn_segment a = first->segments[b], l = later->segments[b];
+        wrong += a.q_row != b * S || a.num_q != S || a.state_keys != (state ? p.prefix_keys[b] + 1 : 0);
+        wrong += l.q_row != b * H || l.num_q != H || l.k_row != a.k_row || l.num_k != a.num_k || l.state_keys != 0;
+        for (int i = 0; i < H; i++) {
+            int from_first = first->action_rows[b * H + i], from_later = later->action_rows[b * H + i];
+            wrong += from_first != b * S + state + i || from_later != b * H + i;
+            wrong += later->pos[from_later] != first->pos[from_first];
+            wrong += later->cache_row[from_later] != first->cache_row[from_first];
+        }
+    }
+    CHECK(wrong == 0, "%s: %d rows or segments of the later steps differ from the first step's", name, wrong);
+    plan_free(&p);
+    fixture_close(&f);
+}
+
+TEST(step_rows_pi0) { check_step_rows("pi0_tiny"); }
+TEST(step_rows_pi05) { check_step_rows("pi05_tiny"); }
+
 TEST(bad_batches_are_rejected) {
     fixture f;
     REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
@@ -925,6 +958,8 @@ int main(int argc, char **argv) {
     RUN(invalid_tokens_do_not_matter);
     RUN(uniform_shape_pi0);
     RUN(uniform_shape_pi05);
+    RUN(step_rows_pi0);
+    RUN(step_rows_pi05);
     RUN(bad_batches_are_rejected);
     RUN(first_nonfinite_finds_every_kind);
     RUN(nonfinite_inputs_are_refused);

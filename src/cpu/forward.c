@@ -4,7 +4,8 @@
  *   vision:  valid camera images (or frames, resized as openpi does) -> SigLIP ViT -> projector -> 256 tokens each
  *   prefix:  [image tokens, scaled prompt embeddings] -> Gemma LLM -> per-layer K/V cache
  *   denoise: num_steps x (suffix tokens -> action expert over the cache -> velocity v; x <- x + dt v)
- *            Pi0:   suffix = [state token, action_time_mlp([action_in_proj(x), time_emb(t)])]
+ *            Pi0:   suffix = [state token, action_time_mlp([action_in_proj(x), time_emb(t)])], the state
+ *                   token in the first step only (its K/V serve the later ones: plan.h)
  *            Pi0.5: suffix = action_in_proj(x); the expert's norms are adaptive, conditioned on
  *                   time_mlp(time_emb(t)), and its residuals gated
  *
@@ -320,10 +321,11 @@ static void pi05_modulations(const pi0_model *m, const pi0_plan *p, const float 
 }
 
 /* Pi0's suffix: [state token, action_time_mlp_out(swish(action_time_mlp_in([action_in_proj(x), time_emb(t)])))]
- * per sample. */
-static void pi0_suffix(const pi0_model *m, const pi0_plan *p, const float *x_t, float t, denoise_buffers *b) {
+ * per sample, the state token only where the step runs it (`rows`, plan.h). */
+static void pi0_suffix(const pi0_model *m, const pi0_plan *p, const suffix_rows *rows, const float *x_t, float t,
+                       denoise_buffers *b) {
     const pi0_weights *w = &m->weights;
-    int We = m->dims.expert.width, A = m->dims.action_dim, H = p->horizon, S = p->suffix_len, actions = p->batch * H;
+    int We = m->dims.expert.width, A = m->dims.action_dim, H = p->horizon, n = rows->per_sample, actions = p->batch * H;
     cpu_linear(b->action_emb, x_t, actions, A, w->action_in_w, w->action_in_b, We);
     time_embedding(t, We, b->time_emb);
     for (int i = 0; i < actions; i++) {
@@ -334,8 +336,9 @@ static void pi0_suffix(const pi0_model *m, const pi0_plan *p, const float *x_t, 
     cpu_swish_inplace(b->hidden, (size_t)actions * We);
     cpu_linear(b->action_emb, b->hidden, actions, We, w->action_time_out_w, w->action_time_out_b, We);
     for (int s = 0; s < p->batch; s++) {
-        memcpy(b->suffix + (size_t)s * S * We, b->state_token + (size_t)s * We, We * sizeof(float));
-        memcpy(b->suffix + ((size_t)s * S + 1) * We, b->action_emb + (size_t)s * H * We, (size_t)H * We * sizeof(float));
+        float *sample = b->suffix + (size_t)s * n * We;
+        if (n > H) memcpy(sample, b->state_token + (size_t)s * We, We * sizeof(float));
+        memcpy(sample + (size_t)(n - H) * We, b->action_emb + (size_t)s * H * We, (size_t)H * We * sizeof(float));
     }
 }
 
@@ -345,10 +348,11 @@ static int velocity(const pi0_model *m, const pi0_plan *p, const float *x_t, con
     const pi0_dims *d = &m->dims;
     const pi0_weights *w = &m->weights;
     int We = d->expert.width, A = d->action_dim, actions = p->batch * p->horizon;
+    const suffix_rows *rows = plan_step_rows(p, step);
 
     if (d->kind == PI0_MODEL_PI05) cpu_linear(b->suffix, x_t, actions, A, w->action_in_w, w->action_in_b, We);
-    else pi0_suffix(m, p, x_t, times[step], b);
-    gemma_rows r = {p->batch * p->suffix_len, p->suffix_pos, p->suffix_cache_row, p->suffix_segments, p->batch};
+    else pi0_suffix(m, p, rows, x_t, times[step], b);
+    gemma_rows r = {p->batch * rows->per_sample, rows->pos, rows->cache_row, rows->segments, p->batch};
     for (int layer = 0; layer < d->expert.depth; layer++)
         if (gemma_block(&w->expert[layer], &d->expert, b->suffix, &r, cache_k[layer], cache_v[layer], rope, &b->block,
                         0, step_mod(b, d, p, 2 * layer, step), step_mod(b, d, p, 2 * layer + 1, step)))
@@ -357,7 +361,7 @@ static int velocity(const pi0_model *m, const pi0_plan *p, const float *x_t, con
     /* v = action_out_proj(final_norm(the action rows)) */
     norm_mod final = step_mod(b, d, p, 2 * d->expert.depth, step);
     for (int i = 0; i < actions; i++)
-        block_norm(b->hidden + (size_t)i * We, b->suffix + (size_t)p->action_rows[i] * We, 1, We, w->expert_norm, final);
+        block_norm(b->hidden + (size_t)i * We, b->suffix + (size_t)rows->action_rows[i] * We, 1, We, w->expert_norm, final);
     cpu_linear(b->velocity, b->hidden, actions, We, w->action_out_w, w->action_out_b, A);
     return 0;
 }

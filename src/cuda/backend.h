@@ -64,8 +64,9 @@ typedef struct {
     float *images;
     pi0_frame_job *frame_jobs;
     float *state, *x_t;
-    int *prefix_src, *prefix_pos, *prefix_cache_row, *suffix_pos, *suffix_cache_row, *action_rows;
-    attn_segment *vit_segments, *prefix_segments, *suffix_segments;
+    int *prefix_src, *prefix_pos, *prefix_cache_row;
+    attn_segment *vit_segments, *prefix_segments;
+    suffix_rows first_step, later_steps; /* plan.h's, in device memory (per_sample as in the plan) */
 } graph_inputs;
 
 /* What a forward pass of num_steps steps reads besides the weights and its inputs, computed once per step

@@ -8,7 +8,7 @@
  *   vision:  valid camera images (or frames, resized on the GPU) -> SigLIP ViT -> projector -> 256 tokens each
  *   prefix:  [image tokens, scaled prompt embeddings] -> Gemma LLM -> per-layer K/V cache
  *   denoise: num_steps x (suffix tokens -> action expert over the cache -> x += dt v, fused into
- *            action_out_proj's GEMM)
+ *            action_out_proj's GEMM); Pi0's state token in the first step only
  */
 #include <math.h>
 #include <stdlib.h>
@@ -301,20 +301,28 @@ static block_mods layer_mods(const pi0_model *m, const cuda_graph *g, int layer,
                                   g->tables->gate_up_bias + ((size_t)layer * steps + step) * 2 * d->mlp_dim)};
 }
 
+/* The suffix rows denoise step `step` runs (plan.h): every one in the first step, the action rows after it. */
+static const suffix_rows *step_rows(const cuda_graph *g, int step) {
+    return step == 0 ? &g->in.first_step : &g->in.later_steps;
+}
+
 /* Whether a denoise step's rows take the skinny path: a batch of one whose suffix gemma_block runs through the
  * skinny Linears (which keep suffix_bf16 current). Then the action rows come from one too, and so does the Euler
  * step. */
-static int suffix_is_skinny(const cuda_state *s, const pi0_model *m, const cuda_graph *g) {
-    return g->shape.batch == 1 && skinny_fits(s, &m->dims.expert, g->suffix_len);
+static int suffix_is_skinny(const cuda_state *s, const pi0_model *m, const cuda_graph *g, const suffix_rows *rows) {
+    return g->shape.batch == 1 && skinny_fits(s, &m->dims.expert, rows->per_sample);
 }
 
 /* The suffix rows of this step: Pi0's [state token, action_time_mlp(action_in_proj(x), time)] with
  * action_in_proj folded into the MLP's first layer (weights.c) and its time half precomputed
- * (step_constants); Pi0.5's action_in_proj(x), whose rows b H + i are the suffix's own. */
-static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, int skinny_rows,
-                                pi0_error *err) {
+ * (step_constants), the state token where the step runs it; Pi0.5's action_in_proj(x), whose rows b H + i are the
+ * suffix's own. */
+static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, const suffix_rows *rows,
+                                int skinny_rows, pi0_error *err) {
     const gpu_weights *w = &s->w;
     int B = g->shape.batch, H = g->shape.horizon, BH = B * H, We = m->dims.expert.width, A = m->dims.action_dim;
+    int state_rows = rows->per_sample - H;
+    const float *state = state_rows ? g->state_token : NULL;
     if (m->dims.kind == PI0_MODEL_PI05) {
         CUDA_TRY(pi0_cuda_linear_small_k(g->suffix, g->suffix_bf16, g->in.x_t, w->action_in_w, w->action_in_b, BH, A, We, 0,
                                          s->stream));
@@ -322,16 +330,17 @@ static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g
     }
     const float *time_bias = g->tables->time_bias + (size_t)step * We;
     if (skinny_rows) { /* one sample: the state row with the hidden rows, the action rows straight into the suffix */
-        CUDA_TRY(pi0_cuda_action_time_in(g->time_hidden, g->suffix, g->suffix_bf16, g->state_token, g->in.x_t,
-                                         w->time_fold_w, time_bias, H, A, We, s->stream));
+        size_t actions = (size_t)state_rows * We;
+        CUDA_TRY(pi0_cuda_action_time_in(g->time_hidden, g->suffix, g->suffix_bf16, state, g->in.x_t, w->time_fold_w,
+                                         time_bias, H, A, We, s->stream));
         return skinny(s, (skinny_args){.m = H, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w,
-                                       .col_bias = w->time_out_b, .epilogue = SKINNY_STORE, .out = g->suffix_bf16 + We,
-                                       .out_f32 = g->suffix + We}, err);
+                                       .col_bias = w->time_out_b, .epilogue = SKINNY_STORE,
+                                       .out = g->suffix_bf16 + actions, .out_f32 = g->suffix + actions}, err);
     }
     CUDA_TRY(pi0_cuda_linear_small_k(NULL, g->time_hidden, g->in.x_t, w->time_fold_w, time_bias, BH, A, We, 1, s->stream));
     TRY(gemm(s, (gemm_args){.m = BH, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w, .bias = w->time_out_b,
                             .out = g->action_tokens, .out_f32 = 1, .alpha = 1}, err));
-    CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->suffix_bf16, g->state_token, g->action_tokens, B, H, We, s->stream));
+    CUDA_TRY(pi0_cuda_assemble_suffix(g->suffix, g->suffix_bf16, state, g->action_tokens, B, H, We, s->stream));
     return PI0_OK;
 }
 
@@ -339,24 +348,24 @@ static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g
  * (alpha dt, beta 1), or for one sample into a skinny Linear whose row factor is the norm (Pi0's 1 + w folded
  * into its weights, Pi0.5's scale and shift applied as in its layers) and whose residual add, gated by dt, is the
  * update. */
-static pi0_status euler_update(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, int skinny_rows,
-                               pi0_error *err) {
+static pi0_status euler_update(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, const suffix_rows *rows,
+                               int skinny_rows, pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.expert;
     const gpu_weights *w = &s->w;
     int BH = g->shape.batch * g->shape.horizon, We = d->width, A = m->dims.action_dim;
     int pi05 = m->dims.kind == PI0_MODEL_PI05;
     if (skinny_rows) { /* the action rows are the suffix's last H */
         norm_mod mod = pi05 ? step_norm(g, We, 2 * d->depth, step, g->tables->out_col_bias + (size_t)step * A) : (norm_mod){0};
-        return skinny(s, (skinny_args){.m = BH, .n = A, .k = We, .x = g->suffix_bf16 + (size_t)(g->suffix_len - BH) * We,
+        return skinny(s, (skinny_args){.m = BH, .n = A, .k = We, .x = g->suffix_bf16 + (size_t)(rows->per_sample - BH) * We,
                                        .w = pi05 ? w->action_out_w : w->action_out_fold_w, .rms_norm = 1, .eps = NORM_EPS,
                                        .in_scale = mod.linear_scale, .col_bias = pi05 ? mod.linear_bias : w->action_out_b,
                                        .epilogue = SKINNY_RESIDUAL, .residual = g->in.x_t, .residual_bf16 = g->final_h,
                                        .gate = g->tables->out_gate}, err);
     }
     if (pi05)
-        CUDA_TRY(pi0_cuda_rmsnorm_mod(g->final_h, g->suffix, g->in.action_rows, BH, We, mod_part(g, We, 2 * d->depth, 0, step),
+        CUDA_TRY(pi0_cuda_rmsnorm_mod(g->final_h, g->suffix, rows->action_rows, BH, We, mod_part(g, We, 2 * d->depth, 0, step),
                                       mod_part(g, We, 2 * d->depth, 1, step), NORM_EPS, 0, s->stream));
-    else CUDA_TRY(pi0_cuda_rmsnorm(g->final_h, g->suffix, g->in.action_rows, BH, We, w->expert_norm, NORM_EPS, 0, s->stream));
+    else CUDA_TRY(pi0_cuda_rmsnorm(g->final_h, g->suffix, rows->action_rows, BH, We, w->expert_norm, NORM_EPS, 0, s->stream));
     return gemm(s, (gemm_args){.m = BH, .n = A, .k = We, .x = g->final_h, .w = w->action_out_w, .bias = g->tables->out_bias,
                                .out = g->in.x_t, .out_f32 = 1, .alpha = -1.0f / (float)g->shape.num_steps, .beta = 1},
                 err);
@@ -364,15 +373,16 @@ static pi0_status euler_update(cuda_state *s, const pi0_model *m, cuda_graph *g,
 
 /* Every expert layer of one step in one persistent kernel (denoise.h): what the loop over gemma_block does
  * for a batch of one, with the layer table of this step (weights and Pi0.5's conditioning). */
-static pi0_status expert_persistent(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, pi0_error *err) {
+static pi0_status expert_persistent(cuda_state *s, const pi0_model *m, cuda_graph *g, int step,
+                                    const suffix_rows *rows, pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.expert;
     const gemma_buffers *b = &g->suffix_buffers;
-    pi0_denoise_args a = {.rows = g->suffix_len, .width = d->width, .heads = d->num_heads, .kv_heads = d->num_kv_heads,
+    pi0_denoise_args a = {.rows = rows->per_sample, .width = d->width, .heads = d->num_heads, .kv_heads = d->num_kv_heads,
                           .head_dim = d->head_dim, .mlp_dim = d->mlp_dim, .depth = d->depth,
                           .layers = g->tables->denoise_layers + (size_t)step * d->depth, .x = g->suffix,
                           .x_bf16 = g->suffix_bf16, .qkv = b->qkv, .att = b->att, .mlp = b->mlp, .cache_k = g->cache_k,
-                          .cache_v = g->cache_v, .cache_layer = cache_layer_elems(m, g), .positions = g->in.suffix_pos,
-                          .cache_rows = g->in.suffix_cache_row, .segment = g->in.suffix_segments,
+                          .cache_v = g->cache_v, .cache_layer = cache_layer_elems(m, g), .positions = rows->pos,
+                          .cache_rows = rows->cache_row, .segment = rows->segments,
                           .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin, .eps = NORM_EPS,
                           .workspace = g->denoise_ws, .max_keys = g->shape.max_prefix + g->suffix_len};
     CUDA_TRY(pi0_cuda_denoise_step(&a, s->stream));
@@ -385,15 +395,16 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
                                pi0_error *err) {
     const pi0_stack_dims *d = &m->dims.expert;
     const gpu_weights *w = &s->w;
-    int B = g->shape.batch, S = g->suffix_len, pi05 = m->dims.kind == PI0_MODEL_PI05;
-    int skinny_rows = suffix_is_skinny(s, m, g);
+    const suffix_rows *rows = step_rows(g, step);
+    int B = g->shape.batch, S = rows->per_sample, pi05 = m->dims.kind == PI0_MODEL_PI05;
+    int skinny_rows = suffix_is_skinny(s, m, g, rows);
     size_t cache_layer = cache_layer_elems(m, g);
-    TRY(suffix_tokens(s, m, g, step, skinny_rows, err));
+    TRY(suffix_tokens(s, m, g, step, rows, skinny_rows, err));
     if (g->persistent) {
-        TRY(expert_persistent(s, m, g, step, err));
+        TRY(expert_persistent(s, m, g, step, rows, err));
     } else {
-        gemma_rows r = {.rows = B * S, .num_segments = B, .max_q = S, .positions = g->in.suffix_pos,
-                        .cache_rows = g->in.suffix_cache_row, .segments = g->in.suffix_segments, .x = g->suffix,
+        gemma_rows r = {.rows = B * S, .num_segments = B, .max_q = S, .positions = rows->pos,
+                        .cache_rows = rows->cache_row, .segments = rows->segments, .x = g->suffix,
                         .x_bf16 = g->suffix_bf16, .b = &g->suffix_buffers, .attn_ws = g->suffix_attn_ws,
                         .attn_ws_bytes = g->suffix_attn_ws_bytes, .after_wait = kv_ready != NULL};
         int down_parts = 0;
@@ -408,10 +419,10 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
             r.pending_gate = pi05 ? mods.mlp.gate : NULL; /* what the next block adds its partial sums with */
         }
     }
-    return euler_update(s, m, g, step, skinny_rows, err);
+    return euler_update(s, m, g, step, rows, skinny_rows, err);
 }
 
-/* Pi0's state token, the suffix's first row in every step. */
+/* Pi0's state token, the suffix's first row in the first step (plan.h: the later ones read its K/V). */
 static pi0_status state_token(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
     const pi0_dims *d = &m->dims;
     if (d->kind == PI0_MODEL_PI0)

@@ -38,8 +38,17 @@ static void *carve(carver *c, size_t bytes) {
     return p;
 }
 
+static void carve_suffix_rows(carver *c, suffix_rows *r, int per_sample, const graph_shape *sh) {
+    size_t B = (size_t)sh->batch;
+    r->per_sample = per_sample;
+    r->pos = carve(c, B * per_sample * sizeof(int));
+    r->cache_row = carve(c, B * per_sample * sizeof(int));
+    r->segments = carve(c, B * sizeof(attn_segment));
+    r->action_rows = carve(c, B * sh->horizon * sizeof(int));
+}
+
 static void carve_inputs(carver *c, graph_inputs *in, const graph_shape *sh, int suffix_len, const pi0_dims *d) {
-    size_t B = (size_t)sh->batch, T = (size_t)sh->total_prefix, R = B * suffix_len, BH = B * sh->horizon;
+    size_t B = (size_t)sh->batch, T = (size_t)sh->total_prefix, BH = B * sh->horizon;
     if (sh->frames) in->frame_jobs = carve(c, (size_t)sh->num_images * sizeof(pi0_frame_job));
     else in->images = carve(c, (size_t)sh->num_images * d->image_size * d->image_size * 3 * sizeof(float));
     in->state = carve(c, B * d->action_dim * sizeof(float));
@@ -47,12 +56,10 @@ static void carve_inputs(carver *c, graph_inputs *in, const graph_shape *sh, int
     in->prefix_src = carve(c, T * sizeof(int));
     in->prefix_pos = carve(c, T * sizeof(int));
     in->prefix_cache_row = carve(c, T * sizeof(int));
-    in->suffix_pos = carve(c, R * sizeof(int));
-    in->suffix_cache_row = carve(c, R * sizeof(int));
-    in->action_rows = carve(c, BH * sizeof(int));
     in->vit_segments = carve(c, (size_t)sh->num_images * sizeof(attn_segment));
     in->prefix_segments = carve(c, B * sizeof(attn_segment));
-    in->suffix_segments = carve(c, B * sizeof(attn_segment));
+    carve_suffix_rows(c, &in->first_step, suffix_len, sh);
+    carve_suffix_rows(c, &in->later_steps, sh->horizon, sh);
 }
 
 static void carve_gemma(carver *c, gemma_buffers *b, size_t rows, const pi0_stack_dims *d) {
@@ -273,22 +280,28 @@ static cudaError_t send_images(const cuda_state *s, const cuda_graph *g, const p
     return (cudaError_t)worst;
 }
 
+static void copy_suffix_rows(const suffix_rows *to, const suffix_rows *from, const pi0_plan *p) {
+    size_t B = (size_t)p->batch, R = B * from->per_sample;
+    memcpy(to->pos, from->pos, R * sizeof(int));
+    memcpy(to->cache_row, from->cache_row, R * sizeof(int));
+    memcpy(to->segments, from->segments, B * sizeof(attn_segment));
+    memcpy(to->action_rows, from->action_rows, B * p->horizon * sizeof(int));
+}
+
 static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan *p) {
     const pi0_dims *d = &m->dims;
     const graph_inputs *in = &g->in_host;
-    size_t B = (size_t)p->batch, R = B * p->suffix_len;
+    size_t B = (size_t)p->batch;
     if (p->state) memcpy(in->state, p->state, B * d->action_dim * sizeof(float)); /* Pi0.5 has none */
     memcpy(in->x_t, p->noise, B * p->horizon * d->action_dim * sizeof(float));
     memcpy(in->prefix_src, p->prefix_src, (size_t)p->total_prefix * sizeof(int));
     memcpy(in->prefix_pos, p->prefix_pos, (size_t)p->total_prefix * sizeof(int));
     memcpy(in->prefix_cache_row, p->prefix_cache_row, (size_t)p->total_prefix * sizeof(int));
-    memcpy(in->suffix_pos, p->suffix_pos, R * sizeof(int));
-    memcpy(in->suffix_cache_row, p->suffix_cache_row, R * sizeof(int));
-    memcpy(in->action_rows, p->action_rows, B * p->horizon * sizeof(int));
     int P = p->tokens_per_image;
     for (int i = 0; i < p->num_images; i++) in->vit_segments[i] = (attn_segment){i * P, P, i * P, P, 0};
     memcpy(in->prefix_segments, p->prefix_segments, B * sizeof(attn_segment));
-    memcpy(in->suffix_segments, p->suffix_segments, B * sizeof(attn_segment));
+    copy_suffix_rows(&in->first_step, &p->first_step, p);
+    copy_suffix_rows(&in->later_steps, &p->later_steps, p);
 }
 
 /* ---- camera frames --------------------------------------------------------------------------------- */

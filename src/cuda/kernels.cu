@@ -402,9 +402,9 @@ static __global__ void action_time_in_kernel(__nv_bfloat16 *hidden, float *suffi
 
 static __global__ void assemble_suffix_kernel(float *suffix, __nv_bfloat16 *suffix_bf16, const float *state,
                                               const float *actions, int horizon, int width) {
-    int b = blockIdx.y, i = blockIdx.x; /* i = 0: the state token, i > 0: action i - 1 */
-    const float *src = i == 0 ? state + (size_t)b * width : actions + ((size_t)b * horizon + i - 1) * width;
-    size_t row = ((size_t)b * (horizon + 1) + i) * width;
+    int b = blockIdx.y, i = blockIdx.x, lead = state != NULL; /* row i < lead: the state token, else action i - lead */
+    const float *src = i < lead ? state + (size_t)b * width : actions + ((size_t)b * horizon + i - lead) * width;
+    size_t row = ((size_t)b * (horizon + lead) + i) * width;
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
         suffix[row + j] = src[j];
         suffix_bf16[row + j] = __float2bfloat16(src[j]);
@@ -554,7 +554,7 @@ cudaError_t pi0_cuda_action_time_in(pi0_bf16 *hidden, float *suffix, pi0_bf16 *s
                                     const float *x_t, const pi0_bf16 *w, const float *bias, int horizon, int action_dim,
                                     int width, cudaStream_t stream) {
     if (action_dim > PI0_CUDA_SMALL_K_MAX) return cudaErrorInvalidValue;
-    dim3 grid((unsigned)horizon + 1, (unsigned)((width + 255) / 256));
+    dim3 grid((unsigned)horizon + (state_token != NULL), (unsigned)((width + 255) / 256)); /* the last: the state's */
     action_time_in_kernel<<<grid, 256, (size_t)action_dim * sizeof(float), stream>>>(
         as_bf16(hidden), suffix, as_bf16(suffix_bf16), state_token, x_t, as_bf16(w), bias, horizon, action_dim, width);
     return cudaGetLastError();
@@ -562,7 +562,7 @@ cudaError_t pi0_cuda_action_time_in(pi0_bf16 *hidden, float *suffix, pi0_bf16 *s
 
 cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
                                      int batch, int horizon, int width, cudaStream_t stream) {
-    if (batch > 0) assemble_suffix_kernel<<<dim3((unsigned)horizon + 1, (unsigned)batch), 256, 0, stream>>>(
+    if (batch > 0) assemble_suffix_kernel<<<dim3((unsigned)horizon + (state != NULL), (unsigned)batch), 256, 0, stream>>>(
         suffix, as_bf16(suffix_bf16), state, actions, horizon, width);
     return cudaGetLastError();
 }

@@ -113,14 +113,16 @@ cudaError_t pi0_cuda_linear_small_k(float *out_f32, pi0_bf16 *out_bf16, const fl
 
 /* Pi0's first kernel of a batch-1 denoise step on the skinny path (forward.c's suffix_tokens): hidden
  * (horizon, width) bf16 = swish(x_t (horizon, action_dim) . w (width, action_dim)^T + bias), and the state token
- * (width) copied to the suffix's row 0, float32 and bf16 (the action rows come from the next Linear). */
+ * (width), unless NULL (a step without it), copied to the suffix's row 0, float32 and bf16 (the action rows come
+ * from the next Linear). */
 cudaError_t pi0_cuda_action_time_in(pi0_bf16 *hidden, float *suffix, pi0_bf16 *suffix_bf16, const float *state_token,
                                     const float *x_t, const pi0_bf16 *w, const float *bias, int horizon, int action_dim,
                                     int width, cudaStream_t stream);
 
 /* Pi0's suffix (B S, W), S = H + 1: row b S = state[b] and rows b S + 1 + i = actions[b H + i], also rounded to
- * bf16 into suffix_bf16 (the input of the skinny Linears, skinny.h). (Pi0.5's suffix is its action tokens: forward.c
- * writes them in place.) */
+ * bf16 into suffix_bf16 (the input of the skinny Linears, skinny.h); with state NULL (a step without the state
+ * token) S = H and the rows are the actions'. (Pi0.5's suffix is its action tokens: forward.c writes them in
+ * place.) */
 cudaError_t pi0_cuda_assemble_suffix(float *suffix, pi0_bf16 *suffix_bf16, const float *state, const float *actions,
                                      int batch, int horizon, int width, cudaStream_t stream);
 

@@ -60,21 +60,48 @@ static int alloc_all(pi0_plan *p, int B, int num_cameras, int prompt_len) {
     p->prefix_keys = calloc((size_t)B, sizeof(int));
     p->cache_start = calloc((size_t)B, sizeof(int));
     p->prefix_segments = calloc((size_t)B, sizeof(attn_segment));
-    p->suffix_segments = calloc((size_t)B, sizeof(attn_segment));
     return p->images && p->frames && p->image_camera && p->image_start && p->prefix_src && p->prefix_start &&
-           p->prefix_len && p->prefix_keys && p->cache_start && p->prefix_segments && p->suffix_segments;
+           p->prefix_len && p->prefix_keys && p->cache_start && p->prefix_segments;
+}
+
+static int alloc_suffix_rows(suffix_rows *r, int batch, int per_sample, int horizon) {
+    size_t rows = (size_t)batch * per_sample;
+    r->per_sample = per_sample;
+    r->pos = malloc(rows * sizeof(int));
+    r->cache_row = malloc(rows * sizeof(int));
+    r->segments = calloc((size_t)batch, sizeof(attn_segment));
+    r->action_rows = malloc((size_t)batch * horizon * sizeof(int));
+    return r->pos && r->cache_row && r->segments && r->action_rows;
+}
+
+static void free_suffix_rows(suffix_rows *r) {
+    free(r->pos), free(r->cache_row), free(r->segments), free(r->action_rows);
+}
+
+/* Sample b's rows of a step that runs its suffix tokens from `first` on (0: all of them; 1: Pi0's actions without
+ * the state token), whose cache rows start at `cache` with the sample's `keys` prefix keys; S suffix tokens, the
+ * last H of them actions. Whatever a step runs, its queries see the whole suffix in the cache. */
+static void layout_suffix(suffix_rows *r, int b, int first, int S, int H, int keys, int cache) {
+    int n = r->per_sample;
+    for (int i = 0; i < n; i++) {
+        r->pos[b * n + i] = keys + first + i;
+        r->cache_row[b * n + i] = cache + keys + first + i;
+    }
+    /* Pi0's state token (suffix token 0) sees the prefix and itself; action tokens see everything */
+    r->segments[b] = (attn_segment){.q_row = b * n, .num_q = n, .k_row = cache, .num_k = keys + S,
+                                    .state_keys = first == 0 && S > H ? keys + 1 : 0};
+    for (int i = 0; i < H; i++) r->action_rows[b * H + i] = b * n + n - H + i;
 }
 
 /* Where each prefix and suffix row lives and what it attends to (see the top of plan.h). */
 static int layout_tokens(pi0_plan *p) {
-    int S = p->suffix_len, state_token = S - p->horizon; /* 1 for Pi0, 0 for Pi0.5 */
-    size_t prefix = (size_t)p->total_prefix + 1, suffix = (size_t)p->batch * S;
+    int S = p->suffix_len, H = p->horizon, state_token = S - H; /* 1 for Pi0, 0 for Pi0.5 */
+    size_t prefix = (size_t)p->total_prefix + 1;
     p->prefix_pos = malloc(prefix * sizeof(int));
     p->prefix_cache_row = malloc(prefix * sizeof(int));
-    p->suffix_pos = malloc(suffix * sizeof(int));
-    p->suffix_cache_row = malloc(suffix * sizeof(int));
-    p->action_rows = malloc((size_t)p->batch * p->horizon * sizeof(int));
-    if (!p->prefix_pos || !p->prefix_cache_row || !p->suffix_pos || !p->suffix_cache_row || !p->action_rows) return -1;
+    if (!p->prefix_pos || !p->prefix_cache_row || !alloc_suffix_rows(&p->first_step, p->batch, S, H) ||
+        !alloc_suffix_rows(&p->later_steps, p->batch, H, H))
+        return -1;
     for (int b = 0; b < p->batch; b++) {
         int rows = p->prefix_len[b], keys = p->prefix_keys[b], start = p->prefix_start[b], cache = p->cache_start[b];
         /* cache: the keys, then the suffix, then rows computed but never attended to (uniform mode) */
@@ -83,14 +110,8 @@ static int layout_tokens(pi0_plan *p) {
             p->prefix_cache_row[start + i] = cache + (i < keys ? i : S + i);
         }
         p->prefix_segments[b] = (attn_segment){.q_row = start, .num_q = rows, .k_row = cache, .num_k = keys};
-        for (int i = 0; i < S; i++) {
-            p->suffix_pos[b * S + i] = keys + i;
-            p->suffix_cache_row[b * S + i] = cache + keys + i;
-        }
-        /* Pi0's state token (suffix row 0) sees the prefix and itself; action tokens see everything */
-        p->suffix_segments[b] = (attn_segment){.q_row = b * S, .num_q = S, .k_row = cache, .num_k = keys + S,
-                                               .state_keys = state_token ? keys + 1 : 0};
-        for (int i = 0; i < p->horizon; i++) p->action_rows[b * p->horizon + i] = b * S + state_token + i;
+        layout_suffix(&p->first_step, b, 0, S, H, keys, cache);
+        layout_suffix(&p->later_steps, b, state_token, S, H, keys, cache);
     }
     return 0;
 }
@@ -175,7 +196,7 @@ void plan_free(pi0_plan *p) {
     free(p->prefix_keys);
     free(p->cache_start);
     free(p->prefix_pos), free(p->prefix_cache_row), free(p->prefix_segments);
-    free(p->suffix_pos), free(p->suffix_cache_row), free(p->suffix_segments), free(p->action_rows);
+    free_suffix_rows(&p->first_step), free_suffix_rows(&p->later_steps);
     free(p->noise_owned);
     memset(p, 0, sizeof *p);
 }

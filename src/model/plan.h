@@ -33,6 +33,17 @@ typedef struct {
     int q_row, num_q, k_row, num_k, state_keys;
 } attn_segment;
 
+/*
+ * One denoise step's suffix rows, sample b's at [b per_sample, (b + 1) per_sample): each row's RoPE position and K/V
+ * cache row, one attention segment per sample, and which rows are the action tokens.
+ */
+typedef struct {
+    int per_sample;
+    int *pos, *cache_row;    /* [batch per_sample] */
+    attn_segment *segments;  /* [batch] */
+    int *action_rows;        /* [batch horizon] */
+} suffix_rows;
+
 typedef struct {
     int batch, horizon, num_steps;
     int suffix_len;             /* suffix rows per sample: H + 1 with Pi0's state token, H for Pi0.5 */
@@ -59,10 +70,11 @@ typedef struct {
     /* per prefix row (total_prefix): RoPE position and K/V cache row; one attention segment per sample */
     int *prefix_pos, *prefix_cache_row;
     attn_segment *prefix_segments;
-    /* per suffix row (batch suffix_len; sample b's rows from b suffix_len: Pi0's state token, then its actions) */
-    int *suffix_pos, *suffix_cache_row;
-    attn_segment *suffix_segments;
-    int *action_rows; /* batch horizon: the suffix row of each action token */
+    /* The first denoise step runs every suffix row (Pi0's state token, then the H actions); the later steps run the
+     * actions alone. The state token sees only the prefix and itself, neither of which changes from step to step,
+     * so its path through the expert, and the K/V it leaves in the cache, are the first step's every time. Pi0.5 has
+     * no state token: the two are the same. */
+    suffix_rows first_step, later_steps;
     const float *state;         /* (B, action_dim); Pi0.5 does not read it */
     const float *noise;         /* (B, H, action_dim): the caller's, or noise_owned */
     float *noise_owned;
@@ -82,6 +94,11 @@ static inline int image_tokens(const pi0_dims *d) {
  * keys, so what it holds does not reach the actions, and it is not checked). */
 static inline const float *plan_image_read(const pi0_plan *p, int i) {
     return p->image_camera[i] >= 0 ? p->images[i] : NULL;
+}
+
+/* The suffix rows that denoise step `step` runs. */
+static inline const suffix_rows *plan_step_rows(const pi0_plan *p, int step) {
+    return step == 0 ? &p->first_step : &p->later_steps;
 }
 
 /* Validates `batch` against `dims` (shapes, token ids, limits) and builds the plan. */
