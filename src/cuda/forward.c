@@ -329,8 +329,8 @@ static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g
         return PI0_OK;
     }
     const float *time_bias = g->tables->time_bias + (size_t)step * We;
-    if (skinny_rows) { /* one sample: the state row with the hidden rows, the action rows straight into the suffix */
-        size_t actions = (size_t)state_rows * We;
+    if (skinny_rows) { /* one sample: the state row (if any) with the hidden rows, the action rows into the suffix */
+        size_t actions = (size_t)state_rows * We; /* where they start */
         CUDA_TRY(pi0_cuda_action_time_in(g->time_hidden, g->suffix, g->suffix_bf16, state, g->in.x_t, w->time_fold_w,
                                          time_bias, H, A, We, s->stream));
         return skinny(s, (skinny_args){.m = H, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w,
