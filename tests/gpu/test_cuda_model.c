@@ -299,14 +299,17 @@ TEST(single_sample_matches_cpu) {
     io_close(&f);
 }
 
-/* One sample at horizon 20 (21 suffix rows for Pi0, 20 for Pi0.5: the skinny path's blocks of two row tiles, and
- * the step's first and last Linears over them) against the CPU backend. */
-static void horizon_20_matches_cpu(const char *name) {
+/* One sample at horizon H against the CPU backend. At 20 (21 suffix rows for Pi0, 20 for Pi0.5): the skinny path's
+ * blocks of two row tiles, and the step's first and last Linears over them. At 32, Pi0's first step (33 rows, its
+ * state token with the actions) is past the skinny Linears and its later steps (32 action rows) are not: the two
+ * paths hand the suffix over between steps. */
+static void horizon_matches_cpu(const char *name, int H) {
     fixture_io f;
     REQUIRE(io_open(&f, name) == 0);
     pi0_model *gpu = load(name, PI0_BACKEND_CUDA), *cpu = load(name, PI0_BACKEND_CPU);
     REQUIRE(gpu && cpu);
-    enum { H = 20, N = H * 32 };
+    enum { MAX_H = 32, N = MAX_H * 32 };
+    REQUIRE(H <= MAX_H);
     float noise[N], got[N], ref[N];
     fill_uniform(noise, N, 1.5f);
     pi0_batch one = f.batch;
@@ -314,15 +317,16 @@ static void horizon_20_matches_cpu(const char *name) {
     pi0_error err = {0};
     REQUIRE(pi0_sample_actions(gpu, &one, got, NULL, &err) == PI0_OK, "%s", err.message);
     REQUIRE(pi0_sample_actions(cpu, &one, ref, NULL, &err) == PI0_OK, "%s", err.message);
-    double e = rel_error(got, ref, N);
+    double e = rel_error(got, ref, (size_t)H * 32);
     fprintf(stderr, "  %s at horizon %d: vs cpu %.3g\n", name, H, e);
     CHECK(e <= TOL_BF16, "%s at horizon %d: %.3g", name, H, e);
     pi0_model_free(gpu), pi0_model_free(cpu);
     io_close(&f);
 }
 
-TEST(horizon_20_pi0_matches_cpu) { horizon_20_matches_cpu("pi0_tiny"); }
-TEST(horizon_20_pi05_matches_cpu) { horizon_20_matches_cpu("pi05_tiny"); }
+TEST(horizon_20_pi0_matches_cpu) { horizon_matches_cpu("pi0_tiny", 20); }
+TEST(horizon_20_pi05_matches_cpu) { horizon_matches_cpu("pi05_tiny", 20); }
+TEST(horizon_32_pi0_matches_cpu) { horizon_matches_cpu("pi0_tiny", 32); }
 
 /* Eager (no graph), first graph call (eager, then capture), replays: all bitwise identical. */
 TEST(graph_replay_equals_eager_and_repeats) {
@@ -670,6 +674,7 @@ int main(int argc, char **argv) {
     RUN(single_sample_matches_cpu);
     RUN(horizon_20_pi0_matches_cpu);
     RUN(horizon_20_pi05_matches_cpu);
+    RUN(horizon_32_pi0_matches_cpu);
     RUN(graph_replay_equals_eager_and_repeats);
     RUN(first_step_beside_prefix_pi0);
     RUN(first_step_beside_prefix_pi05);
