@@ -38,7 +38,7 @@ make_args=(BLAS_CFLAGS="-I$root/usr/include/x86_64-linux-gnu/openblas-openmp" BL
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 make -j16 "${make_args[@]}" all > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 gpu_tests=$(ls tests/gpu/test_*.c | sed 's#tests/gpu/\(.*\)\.c#build/tests/gpu/\1#')
-make -j16 "${make_args[@]}" build/bench/layer_lab $gpu_tests >> "$OUT/build.log" 2>&1 \
+make -j16 "${make_args[@]}" build/bench/layer_lab build/bench/gate_up_lab $gpu_tests >> "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; exit 1; }
 
 if want tests; then
@@ -47,8 +47,9 @@ if want tests; then
 fi
 # BEFORE="VAR=value" adds a same-run "before" row for the seed workload and H=50 (an A/B knob).
 run() { echo "## ${AB:+$AB }build/pi0 bench $*"; env ${AB:-} build/pi0 bench "$@" --json; }
-if [[ $modes == *" lab "* ]]; then    # per-kernel cost of one denoise layer in a graph (bench/layer_lab.c)
-    build/bench/layer_lab | tee "$OUT/lab.txt"
+if [[ $modes == *" lab "* ]]; then    # per-kernel cost of one denoise layer in a graph (bench/layer_lab.c), and the
+    build/bench/layer_lab | tee "$OUT/lab.txt"       # prefix's gate|up two ways (bench/gate_up_lab.c)
+    build/bench/gate_up_lab | tee "$OUT/gate_up_lab.txt"
 fi
 if [[ $modes == *" quick "* ]]; then   # the seed workload and H=50 only (with BEFORE rows): a fast A/B
     {

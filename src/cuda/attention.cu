@@ -79,7 +79,7 @@ namespace {
 constexpr int kRows = 64;     /* virtual query rows per block */
 constexpr int kKeys = 64;     /* keys per K/V tile */
 constexpr int kThreads = 128; /* 4 warps x 16 rows */
-constexpr int kMaxDevices = 64;
+constexpr int kMaxDevices = PI0_CUDA_MAX_DEVICES;
 constexpr int kMaxSplit = 16; /* blocks per cluster in a key split (16: a non-portable cluster size, sm_90) */
 
 template <int HD>
@@ -700,15 +700,6 @@ struct WgConfig { /* Q and the ring's K and V tiles (64 rows each of whole 64-co
     static_assert(AttnConfig<HD>::PARTIALS <= SMEM, "a split's partials must fit");
 };
 
-/* Named barriers (bar 0 is __syncthreads'): a sync waits until `threads` have arrived or synced; an arrive does not
- * wait. */
-[[maybe_unused]] __device__ __forceinline__ void named_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void named_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 template <int HD>
 __global__ void __launch_bounds__(kWgThreads, 1)
     attention_wg_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ CUtensorMap k_map,
@@ -891,19 +882,7 @@ constexpr size_t tiled_smem() {
  * name. False where the driver has no tensor maps or refuses this one (the caller then takes the mma.sync kernel).
  */
 bool kv_tensor_map(CUtensorMap *map, const void *base, int ldkv, int head_dim, int num_kv_heads) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode;
-    static int looked_up;
-    if (!__atomic_load_n(&looked_up, __ATOMIC_ACQUIRE)) {
-        void *fn = NULL;
-        cudaDriverEntryPointQueryResult found;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
-                cudaSuccess &&
-            found == cudaDriverEntryPointSuccess)
-            encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-        else
-            (void)cudaGetLastError();
-        __atomic_store_n(&looked_up, 1, __ATOMIC_RELEASE);
-    }
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (!encode) return false;
     const cuuint64_t dims[3] = {(cuuint64_t)head_dim, (cuuint64_t)num_kv_heads, (cuuint64_t)INT32_MAX};
     const cuuint64_t strides[2] = {(cuuint64_t)head_dim * 2, (cuuint64_t)ldkv * 2};
@@ -1054,30 +1033,11 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
     return cudaSuccess;
 }
 
-/* Whether head dims 256 and 72 take the wgmma kernel on the current device: one of compute capability 9.0 (sm_90a's
- * code), in a build with sm_90a code (PI0_SM90A_BUILD, set by the Makefile), unless PI0_ATTN_WGMMA=0 (A/B runs).
- * Decided per device, as configure's limits are: a process may drive GPUs of different kinds. */
+/* Whether head dims 256 and 72 take the wgmma kernel on the current device: an sm_90a device (hopper.cuh), unless
+ * PI0_ATTN_WGMMA=0 (A/B runs). */
 bool use_wgmma(void) {
-#ifndef PI0_SM90A_BUILD
-    return false;
-#endif
-    static int decided[kMaxDevices]; /* 0: not yet, 1: no, 2: yes */
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return false;
-    }
-    const bool cached = dev >= 0 && dev < kMaxDevices;
-    int d = cached ? __atomic_load_n(&decided[dev], __ATOMIC_ACQUIRE) : 0;
-    if (!d) {
-        const char *env = getenv("PI0_ATTN_WGMMA");
-        const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
-        if (!ok) (void)cudaGetLastError();
-        d = ok && major == 9 && minor == 0 && !(env && !strcmp(env, "0")) ? 2 : 1;
-        if (cached) __atomic_store_n(&decided[dev], d, __ATOMIC_RELEASE);
-    }
-    return d == 2;
+    const char *env = getenv("PI0_ATTN_WGMMA");
+    return sm90a_device() && !(env && !strcmp(env, "0"));
 }
 
 /* Head dim 72 (the ViT). On an H100/H200 (use_wgmma) the wgmma kernel while its grid fits the GPU in one wave (two

@@ -113,6 +113,15 @@ static __device__ __forceinline__ void exp_scores(float (&s)[N][4], float base0,
     }
 }
 
+/* Named barriers (bar 0 is __syncthreads'): a sync waits until `threads` have arrived or synced; an arrive does not
+ * wait. */
+static __device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+static __device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 static __device__ __forceinline__ float gelu_tanh(float x) {
     const float sqrt_2_over_pi = 0.7978845608028654f;
     return 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * (x + 0.044715f * x * x * x)));

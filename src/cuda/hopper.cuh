@@ -21,6 +21,8 @@
 #define PI0_CUDA_HOPPER_CUH
 
 #include <cuda.h> /* CUtensorMap: the type only (no driver library is linked) */
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <stdint.h>
 
@@ -124,7 +126,48 @@ static __device__ __forceinline__ void wg_m64n8k16_rs_tb(float (&d)[4], const ui
 #endif
 }
 
+#define PI0_WG_D68(d) "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3])
+#define PI0_WG_REGS68 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}"
+
+/* d (64 x 136 f32) = a b^T (+ d when accumulate): a 64 x 16 and b 136 x 16 bf16, both K-major in shared memory. */
+static __device__ __forceinline__ void wg_m64n136k16_ss(float (&d)[17][4], uint64_t a_desc, uint64_t b_desc,
+                                                        int accumulate) {
+#if PI0_WGMMA
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n136k16.f32.bf16.bf16 " PI0_WG_REGS68 ", %68, %69, p, 1, 1, 0, 0;\n}\n"
+                 : PI0_WG_D68(d)
+                 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+#else
+    (void)d, (void)a_desc, (void)b_desc, (void)accumulate;
+    __trap();
+#endif
+}
+
+/* Waits until at most N committed batches of this warpgroup are in flight. */
+template <int N>
+static __device__ __forceinline__ void wg_wait(void) {
+#if PI0_WGMMA
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+/* A warpgroup's register budget moved at run time (all its threads): producers give theirs to the products'. */
+template <int N>
+static __device__ __forceinline__ void regs_increase(void) {
+#if PI0_WGMMA
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+static __device__ __forceinline__ void regs_decrease(void) {
+#if PI0_WGMMA
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
 #undef PI0_WG_D32
+#undef PI0_WG_D68
+#undef PI0_WG_REGS68
 #undef PI0_WG_REGS32
 
 /* mbarriers: a transaction count (the bytes a tensor copy will deliver) and a phase bit per use. */
@@ -170,6 +213,105 @@ static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorM
     (void)dst, (void)map, (void)x, (void)y, (void)z, (void)bar;
     __trap();
 #endif
+}
+
+
+/* This block's rank in its cluster, and a barrier of every thread of the cluster (release, then acquire). */
+static __device__ __forceinline__ unsigned cluster_rank(void) {
+    unsigned r = 0;
+#if PI0_WGMMA
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+    return r;
+}
+
+static __device__ __forceinline__ void cluster_barrier(void) {
+#if PI0_WGMMA
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+/* One arrival on the barrier at shared offset `bar` of block `rank` of the cluster (this block's own included), with
+ * the default (CTA-scope) release: what it publishes is that wgmma has read a stage, which needs no cluster-scope fence
+ * (one cost a GEMM's consumers ~30% of their time, bench/NOTES.md session 29). */
+static __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, unsigned rank) {
+#if PI0_WGMMA
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
+                 : "memory");
+#endif
+}
+
+/* A 2-D box of `map` at (x, y) into shared memory at dst, its bytes counted on bar; with a mask, the same box lands
+ * at dst in every block of the cluster the mask names, and is counted on each one's barrier at offset bar. */
+static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int x, int y, uint32_t bar) {
+#if PI0_WGMMA
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(bar)
+                 : "memory");
+#else
+    (void)dst, (void)map, (void)x, (void)y, (void)bar;
+    __trap();
+#endif
+}
+
+static __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap *map, int x, int y,
+                                                             uint32_t bar, uint16_t mask) {
+#if PI0_WGMMA
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst), "l"(map), "r"(x), "r"(y), "r"(bar), "h"(mask)
+                 : "memory");
+#else
+    (void)dst, (void)map, (void)x, (void)y, (void)bar, (void)mask;
+    __trap();
+#endif
+}
+
+
+/* ---- host side ------------------------------------------------------------------------------------ */
+
+/* cuTensorMapEncodeTiled, looked up in the driver once (no driver library is linked); NULL where the driver has none. */
+static inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode;
+    static int looked_up;
+    if (!__atomic_load_n(&looked_up, __ATOMIC_ACQUIRE)) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+                cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            __atomic_store_n(&encode, (PFN_cuTensorMapEncodeTiled_v12000)fn, __ATOMIC_RELAXED);
+        else
+            (void)cudaGetLastError();
+        __atomic_store_n(&looked_up, 1, __ATOMIC_RELEASE);
+    }
+    return __atomic_load_n(&encode, __ATOMIC_RELAXED);
+}
+
+#define PI0_CUDA_MAX_DEVICES 64 /* per-device caches (launch limits, decisions) */
+
+/* Whether the current device runs this build's sm_90a code: compute capability 9.0 (H100, H200) in a build with
+ * sm_90a code (PI0_SM90A_BUILD, set by the Makefile). Decided per device: a process may drive GPUs of different kinds. */
+static inline bool sm90a_device(void) {
+#ifndef PI0_SM90A_BUILD
+    return false;
+#endif
+    static int decided[PI0_CUDA_MAX_DEVICES]; /* 0: not yet, 1: no, 2: yes */
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    const bool cached = dev >= 0 && dev < PI0_CUDA_MAX_DEVICES;
+    int d = cached ? __atomic_load_n(&decided[dev], __ATOMIC_ACQUIRE) : 0;
+    if (!d) {
+        const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
+        if (!ok) (void)cudaGetLastError();
+        d = ok && major == 9 && minor == 0 ? 2 : 1;
+        if (cached) __atomic_store_n(&decided[dev], d, __ATOMIC_RELEASE);
+    }
+    return d == 2;
 }
 
 #endif

@@ -5,6 +5,7 @@
  * remaining difference is the GPU's bf16 output rounding (~4e-3 relative).
  */
 #include "cpu/ops.h"
+#include "cuda/gate_up.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "gpu_check.h"
@@ -207,6 +208,43 @@ TEST(gelu_mul_matches_cpu) {
     gelu_mul_case(19, 4097); /* an odd count: one output a thread */
     gelu_mul_case(7, 1030);  /* a multiple of 4 (7 x 1030) across rows: four a thread, rows straddling vectors */
     gelu_mul_case(3, 16384); /* Pi0's mlp dim */
+}
+
+/* gelu(x w_gate^T) x (x w_up^T) in one Hopper kernel (gate_up.cu) against cpu_linear and cpu_gelu_mul, gate and up
+ * rounded to bf16 in between as the kernel (and the cuBLASLt path) does. The sizes straddle the kernel's tiles: tokens
+ * in tiles of 272 and halves of 136, weight rows in pairs of 128-row tiles, k in steps of 64 (a tail the tensor copies
+ * fill with zeros). */
+static void gate_up_gelu_case(int rows, int mlp, int k) {
+    size_t nx = (size_t)rows * k, nw = (size_t)2 * mlp * k, nout = (size_t)rows * mlp;
+    float *x = malloc(nx * 4), *w = malloc(nw * 4), *both = malloc((size_t)rows * 2 * mlp * 4);
+    float *gate = malloc(nout * 4), *up = malloc(nout * 4);
+    fill_uniform(x, nx, 1.0f), fill_uniform(w, nw, 2.0f / sqrtf((float)k));
+    uint16_t *xb = to_bf16_rounding(x, nx), *wb = to_bf16_rounding(w, nw);
+    cpu_linear(both, x, rows, k, w, NULL, 2 * mlp); /* w's rows interleaved (gate_j, up_j) */
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (size_t j = 0; j < (size_t)mlp; j++) {
+            gate[r * mlp + j] = bf16_value(bf16_bits(both[r * 2 * mlp + 2 * j]));
+            up[r * mlp + j] = bf16_value(bf16_bits(both[r * 2 * mlp + 2 * j + 1]));
+        }
+    cpu_gelu_mul(gate, up, nout);
+    pi0_bf16 *dx = dev_upload(xb, nx * 2), *dw = dev_upload(wb, nw * 2), *dout = dev_poisoned(nout * 2);
+    CUDA_OK(pi0_cuda_gate_up_gelu(dout, dx, dw, rows, mlp, k, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *got = download_bf16(dout, nout);
+    double e = rel_error(got, gate, nout);
+    CHECK(all_finite(got, nout) && e <= TOL_BF16_OUT, "gate_up_gelu %d x %d x %d: %.3g", rows, mlp, k, e);
+    free(x), free(w), free(both), free(gate), free(up), free(xb), free(wb), free(got);
+    cudaFree(dx), cudaFree(dw), cudaFree(dout);
+}
+
+TEST(gate_up_gelu_matches_cpu) {
+    if (!pi0_cuda_gate_up_gelu_fits(1, 128, 64)) SKIP("not an sm_90a device (or build), or no tensor maps in its driver");
+    gate_up_gelu_case(1, 128, 64);      /* one token: one weight pair, one k step */
+    gate_up_gelu_case(137, 256, 72);    /* past a half tile of tokens; k's last step 8 deep */
+    gate_up_gelu_case(545, 384, 200);   /* three token tiles, the last of one token; three weight pairs */
+    gate_up_gelu_case(532, 16384, 2048); /* the seed's prefix */
+    CHECK(!pi0_cuda_gate_up_gelu_fits(16, 192, 64) && !pi0_cuda_gate_up_gelu_fits(16, 128, 60),
+          "dims outside the kernel's tiles are refused");
 }
 
 static void rope_case(int rows, int heads, int kv_heads, int hd) {
@@ -566,6 +604,7 @@ int main(int argc, char **argv) {
     RUN(rmsnorm_mod_and_gated_add_match_cpu);
     RUN(add_parts_rmsnorm_matches_cpu);
     RUN(gelu_mul_matches_cpu);
+    RUN(gate_up_gelu_matches_cpu);
     RUN(rope_qkv_matches_cpu);
     RUN(frames_to_images_equal_host);
     RUN(im2col_and_bias_pos);
