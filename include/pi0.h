@@ -22,6 +22,7 @@
  *   PI0_PDL=0           no programmatic dependent launch between the denoise kernels (sm_90+)
  *   PI0_BESIDE=0        a graph's first denoise step after the prefix instead of beside it (CUDA, <= 64 suffix rows)
  *   PI0_PARTS=0         cuBLASLt's own split-K reductions instead of partial sums added by the next norm (CUDA)
+ *   PI0_GATE_UP=0       the prefix's gate|up through cuBLASLt, then gelu x up, instead of one fused kernel (H100/H200)
  *   PI0_PERSISTENT=1    each batch-1 denoise step as one persistent kernel (sm_90+; opt-in: slower today)
  *   PI0_PERSISTENT_SLOTS=n  weight slots its ring keeps in flight per SM (default 4)
  *   PI0_GEMM_TUNE=0     take cuBLASLt's first heuristic pick per GEMM shape instead of timing candidates

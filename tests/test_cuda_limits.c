@@ -4,12 +4,14 @@
  * is a multiple of 8 up to 256), the others are refused with a message naming the dimension and the limit,
  * the cuda backend refuses such a model before anything else (with or without a GPU), and the auto backend
  * gives it to the CPU. And the dims-only choice of the skinny Linears (pi0_cuda_skinny_block_supported) is
- * exactly "all four Linears of the block take them". A build without the CUDA backend runs the API test only
+ * exactly "all four Linears of the block take them"; the fused gate|up kernel's shape choice keeps to the shapes it
+ * was measured faster at. A build without the CUDA backend runs the API test only
  * (its refusal is another).
  */
 #include "check.h"
 #include "pi0.h"
 #ifdef PI0_WITH_CUDA
+#include "cuda/gate_up.h"
 #include "cuda/limits.h"
 #include "cuda/skinny.h"
 #endif
@@ -105,6 +107,20 @@ TEST(skinny_block_choice_is_exact) {
                 }
     CHECK(pi0_cuda_skinny_block_supported(1024, 4096, 256), "Pi0's expert");
 }
+
+/* Where the prefix's gate|up takes the fused kernel (gate_up.h): the shapes it was measured faster at, and not the
+ * ones it was measured slower at (bench/NOTES.md, session 29). */
+TEST(gate_up_kernel_where_it_pays) {
+    static const int faster[] = {532, 788, 1064, 2128, 256}, slower[] = {572, 560, 4256, 34048, 255};
+    for (int i = 0; i < 5; i++) {
+        CHECK(pi0_cuda_gate_up_gelu_pays(faster[i], 2048), "%d rows: measured faster", faster[i]);
+        CHECK(!pi0_cuda_gate_up_gelu_pays(slower[i], 2048), "%d rows: measured slower", slower[i]);
+    }
+    CHECK(!pi0_cuda_gate_up_gelu_pays(704, 1024), "the expert's k (B = 64's denoise): measured slower");
+    CHECK(pi0_cuda_gate_up_gelu_pays(544, 2048) && pi0_cuda_gate_up_gelu_pays(409, 2048) &&
+              !pi0_cuda_gate_up_gelu_pays(408, 2048),
+          "a last token tile of more than 136 tokens");
+}
 #endif
 
 /* Through the public API: the cuda backend refuses the model before it looks for a GPU or reads a weight,
@@ -139,6 +155,7 @@ int main(int argc, char **argv) {
     RUN(accepts_what_the_gpu_runs);
     RUN(refuses_with_dimension_and_limit);
     RUN(skinny_block_choice_is_exact);
+    RUN(gate_up_kernel_where_it_pays);
 #endif
     RUN(cuda_refuses_auto_falls_back);
     return check_finish();

@@ -138,6 +138,7 @@ typedef struct {
     int use_skinny; /* skinny.h's Linears for blocks of <= SKINNY_MAX_ROWS rows */
     int use_persistent; /* denoise.h's persistent kernel for the batch-1 denoise steps it supports (opt-in) */
     int use_parts;      /* split-K Linears into partial sums that the next norm adds (forward.c's stack_parts) */
+    int use_gate_up;    /* gate_up.h's gate|up with gelu x up, where it fits (forward.c's gemma_block) */
     void **allocations; /* weight buffers, freed at release */
     int num_allocations, max_allocations;
     uint64_t device_bytes, peak_device_bytes;

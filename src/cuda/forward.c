@@ -16,6 +16,7 @@
 
 #include "cuda/attention.h"
 #include "cuda/backend.h"
+#include "cuda/gate_up.h"
 #include "cuda/skinny.h"
 #include "model/flow.h"
 #include "util/error.h"
@@ -80,6 +81,13 @@ typedef struct {
 /* Whether a Gemma block over `rows` rows can take the skinny Linears (gemma_block_skinny below). */
 static int skinny_fits(const cuda_state *s, const pi0_stack_dims *d, int rows) {
     return s->use_skinny && rows <= SKINNY_MAX_ROWS && pi0_cuda_skinny_block_supported(d->width, d->mlp_dim, d->head_dim);
+}
+
+/* Whether a Gemma block's gate|up takes the fused kernel (gate_up.h) rather than cuBLASLt and gelu x up: on an
+ * sm_90a device, at the dims where it was measured faster. */
+static int use_gate_up(const cuda_state *s, const pi0_stack_dims *d, int rows) {
+    return s->use_gate_up && pi0_cuda_gate_up_gelu_pays(rows, d->width) &&
+           pi0_cuda_gate_up_gelu_fits(rows, d->mlp_dim, d->width);
 }
 
 /* The expert's block over a few rows (a denoise step of up to SKINNY_MAX_ROWS: one sample up to horizon 31, or two
@@ -176,9 +184,13 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
                                     s->stream));
     TRY(block_residual(s, r, r->b->att, l->o_w, W, q_dim, mods ? &mods->attn : NULL, r->o_parts, err));
     TRY(block_norm(s, r, W, l->post_norm, mods ? &mods->mlp : NULL, 0, r->o_parts, mods ? mods->attn.gate : NULL, err));
-    TRY(gemm(s, (gemm_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->b->h, .w = l->gate_up_w, .out = r->b->mlp2,
-                            .alpha = 1}, err));
-    CUDA_TRY(pi0_cuda_gelu_mul(r->b->mlp, r->b->mlp2, r->rows, d->mlp_dim, s->stream));
+    if (use_gate_up(s, d, r->rows)) {
+        CUDA_TRY(pi0_cuda_gate_up_gelu(r->b->mlp, r->b->h, l->gate_up_w, r->rows, d->mlp_dim, W, s->stream));
+    } else {
+        TRY(gemm(s, (gemm_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->b->h, .w = l->gate_up_w,
+                                .out = r->b->mlp2, .alpha = 1}, err));
+        CUDA_TRY(pi0_cuda_gelu_mul(r->b->mlp, r->b->mlp2, r->rows, d->mlp_dim, s->stream));
+    }
     return block_residual(s, r, r->b->mlp, l->down_w, W, d->mlp_dim, mods ? &mods->mlp : NULL, r->down_parts, err);
 }
 

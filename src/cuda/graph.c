@@ -563,6 +563,8 @@ static pi0_status cuda_init(pi0_model *m, pi0_error *err) {
     s->use_persistent = persistent_env && !strcmp(persistent_env, "1");
     const char *parts_env = getenv("PI0_PARTS"); /* PI0_PARTS=0: cuBLASLt's own split-K reductions (A/B runs) */
     s->use_parts = !(parts_env && !strcmp(parts_env, "0"));
+    const char *gate_up_env = getenv("PI0_GATE_UP"); /* PI0_GATE_UP=0: cuBLASLt's gate|up, then gelu x up (A/B runs) */
+    s->use_gate_up = !(gate_up_env && !strcmp(gate_up_env, "0"));
     const char *max_env = getenv("PI0_CUDA_MAX_GRAPHS");
     s->max_graphs = max_env && atoi(max_env) > 0 ? atoi(max_env) : MAX_GRAPHS;
     pi0_status st = streams_init(s, m, err);
