@@ -5,18 +5,20 @@
  * layer) for a separate kernel to read back and turn into gelu(gate) x up: 0.27 ms of the seed's prefix (bench/NOTES.md,
  * session 28). This kernel keeps gate and up in registers and writes only gelu(gate) x up.
  *
- * Its shape is the one cuBLASLt's tuner keeps for this product (session 28, call G): a block computes 128 weight rows
- * (64 gate|up pairs: w's rows are interleaved (gate_j, up_j), weights.c) x 272 tokens, so 532 tokens take two tiles
- * with 2% padding. Blocks run in clusters of two along the weight rows: each loads its own 128 weight rows and half of
- * the token tile, which the tensor copy multicasts into both blocks, so a block reads ~33 KB from L2 per 64-deep k step
- * for 4.5 MFLOP. Warp specialization: warpgroup 0 issues the copies into a ring of kStages stages; warpgroups 1 and 2
- * each multiply 64 of the weight rows by the 272 tokens (two m64n136k16 products per k16 step, 136 accumulators a
- * thread) and release each stage to both blocks' producers once their products have read it.
+ * Its shape is the transposed twin of cuBLASLt's own kernel for this product (nvjet_..._256x136_64x4_1x2: 256 weight
+ * rows x 136 tokens, persistent, clusters of 2, bench/RESULTS.md session 29): a block computes 128 weight rows (64
+ * gate|up pairs: w's rows are interleaved (gate_j, up_j), weights.c) x 272 tokens, so 532 tokens take two tiles with 2%
+ * padding. Blocks run in clusters of two along the weight rows: each loads its own 128 weight rows and half of the token
+ * tile, which the tensor copy multicasts into both blocks, so a block reads ~33 KB from L2 per 64-deep k step for 4.5
+ * MFLOP. Warp specialization: warpgroup 0 issues the copies into a ring of kStages stages; warpgroups 1 and 2 each
+ * multiply 64 of the weight rows by the 272 tokens (two m64n136k16 products per k16 step, 136 accumulators a thread)
+ * and release each stage to both blocks' producers once their products have read it. One block a multiprocessor walks
+ * the work units in turn (persistent), the ring running on from one unit to the next.
  *
  * Epilogue: in wgmma's accumulator layout thread (g = lane / 4) holds rows g and g + 8 of its warp's 16, so gate_j
  * (row 2j) and up_j (row 2j + 1) sit in lanes 4 apart; one shuffle gives each thread both halves of one pair per
  * column. Gate and up are rounded to bf16 before gelu x up, as cuBLASLt's bf16 output and pi0_cuda_gelu_mul do, so the
- * two paths differ only in the products' summation order.
+ * two paths differ in the products' summation order and the GELU's formula (gelu_tanh_fast), ~4e-5 relative.
  */
 #include "cuda/gate_up.h"
 
@@ -182,8 +184,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int n = 0; n < 17; n++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) lo[n][i] = hi[n][i] = 0.f;
-            /* a last token tile of at most 136 tokens skips the second half's products: 572 tokens (Pi0.5's prompt of
-             * 60) then cost 2.5 tiles' products, not 3 */
+            /* a last token tile of at most 136 tokens skips the second half's products (the engine sends no such
+             * shape: they still lost to cuBLASLt, gate_up.h; the tests and the lab do) */
             const int tok0 = (unit % token_tiles) * kTileT;
             const bool both = tok0 + kHalfT < rows;
             if (both)
