@@ -81,7 +81,8 @@ static_assert(kStageBytes % 1024 == 0 && (kHalfT * 128) % 1024 == 0, "swizzled t
 
 /* The staging tile's real tokens out to (tok0.., pair0..pair0 + 63) of out, a 128-byte line a token, 16 bytes a
  * thread. */
-[[maybe_unused]] __device__ __forceinline__ void copy_out(uint32_t staging, __nv_bfloat16 *out, int rows, int mlp, int tok0, int pair0) {
+[[maybe_unused]] __device__ __forceinline__ void copy_out(uint32_t staging, __nv_bfloat16 *out, int rows, int mlp,
+                                                          int tok0, int pair0) {
     const int count = (rows - tok0 < kHalfT ? rows - tok0 : kHalfT) * 8;
     for (int i = (int)threadIdx.x - 128; i < count; i += kConsumers) {
         const int t = i / 8, chunk = i % 8;
@@ -91,6 +92,16 @@ static_assert(kStageBytes % 1024 == 0 && (kHalfT * 128) % 1024 == 0, "swizzled t
                      : "r"(staging + t * 128 + ((chunk ^ (t % 8)) * 16)));
         *reinterpret_cast<uint4 *>(out + (size_t)(tok0 + t) * mlp + pair0 + chunk * 8) = v;
     }
+}
+
+/* Where work unit `unit` puts cluster rank `rank`: its first weight row (its weight pair's tile for that rank) and its
+ * token tile's first token. Token tiles fastest, so that the clusters running at once share weight tiles (read from
+ * DRAM once, the next time from L2). The producer and the products walk the units alike through this. */
+struct UnitOrigin {
+    int w_row0, tok0;
+};
+[[maybe_unused]] __device__ __forceinline__ UnitOrigin unit_origin(int unit, int token_tiles, unsigned rank) {
+    return {((unit / token_tiles) * kCluster + (int)rank) * kTileW, (unit % token_tiles) * kTileT};
 }
 
 /*
@@ -128,9 +139,8 @@ __device__ __forceinline__ int products(float (&lo)[17][4], float (&hi)[17][4], 
 }
 
 /*
- * Persistent: each cluster walks the work units (its two blocks' weight tiles x one token tile) cluster_id,
- * cluster_id + num_clusters, ..., token tiles fastest, so that the clusters running at once share weight tiles (read
- * from DRAM once, the next time from L2). The ring of stages runs on across units: while the products' warpgroups
+ * Persistent: each cluster walks the work units (its two blocks' weight tiles x one token tile, unit_origin)
+ * cluster_id, cluster_id + num_clusters, .... The ring of stages runs on across units: while the products' warpgroups
  * write one unit's epilogue, the producer is already loading the next unit's first stages.
  */
 __global__ void __launch_bounds__(kThreads, 1)
@@ -158,14 +168,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (threadIdx.x == 0) {
             int it = 0; /* k steps issued, over all units: the ring's position */
             for (int unit = (int)blockIdx.x / kCluster; unit < units; unit += num_clusters) {
-                const int w_row0 = ((unit / token_tiles) * kCluster + (int)rank) * kTileW;
-                const int tok = (unit % token_tiles) * kTileT + (int)rank * kHalfT; /* this block's half */
+                const UnitOrigin o = unit_origin(unit, token_tiles, rank);
+                const int tok = o.tok0 + (int)rank * kHalfT; /* this block's half of the token tile */
                 for (int kt = 0; kt < k_steps; kt++, it++) {
                     const int s = it % kStages;
                     const uint32_t w_dst = ring + s * kStageBytes, x_dst = w_dst + kWBytes, bar = smem_addr(&full[s]);
                     mbar_wait(smem_addr(&empty[s]), ((unsigned)(it / kStages) & 1) ^ 1); /* both blocks done with it */
                     mbar_expect_bytes(bar, kStageBytes);
-                    tma_load_2d(w_dst, &w_map, kt * kBK, w_row0, bar);
+                    tma_load_2d(w_dst, &w_map, kt * kBK, o.w_row0, bar);
                     tma_load_2d_multicast(x_dst + rank * kHalfT * 128, &x_map, kt * kBK, tok, bar,
                                           (uint16_t)((1u << kCluster) - 1));
                 }
@@ -186,24 +196,24 @@ __global__ void __launch_bounds__(kThreads, 1)
                 for (int i = 0; i < 4; i++) lo[n][i] = hi[n][i] = 0.f;
             /* a last token tile of at most 136 tokens skips the second half's products (the engine sends no such
              * shape: they still lost to cuBLASLt, gate_up.h; the tests and the lab do) */
-            const int tok0 = (unit % token_tiles) * kTileT;
-            const bool both = tok0 + kHalfT < rows;
+            const UnitOrigin o = unit_origin(unit, token_tiles, rank);
+            const bool both = o.tok0 + kHalfT < rows;
             if (both)
                 it = products<true>(lo, hi, ring, full, empty, c, k_steps, it);
             else
                 it = products<false>(lo, hi, ring, full, empty, c, k_steps, it);
             wg_pin(lo);
             wg_pin(hi);
-            const int pair0 = ((unit / token_tiles) * kCluster + (int)rank) * (kTileW / 2);
+            const int pair0 = o.w_row0 / 2;
             const int warp_pairs = c * 32 + warp * 8; /* of the block's 64 */
             stage_gelu_up(lo, staging, warp_pairs);
             named_sync(1, kConsumers); /* the staging tile complete */
-            copy_out(staging, out, rows, mlp, tok0, pair0);
+            copy_out(staging, out, rows, mlp, o.tok0, pair0);
             named_sync(1, kConsumers); /* and read */
             if (both) {
                 stage_gelu_up(hi, staging, warp_pairs);
                 named_sync(1, kConsumers);
-                copy_out(staging, out, rows, mlp, tok0 + kHalfT, pair0);
+                copy_out(staging, out, rows, mlp, o.tok0 + kHalfT, pair0);
                 named_sync(1, kConsumers);
             }
         }
