@@ -134,9 +134,11 @@ static void time_shape(gemm_context *gemm, int rows, int mlp, int k, cudaStream_
 }
 
 int main(int argc, char **argv) {
-    /* the seed's prefix, three cameras, Pi0.5's 60-token prompt, B = 2, B = 64, and the expert's at B = 64 */
-    static const int shapes[][3] = {{532, 16384, 2048}, {788, 16384, 2048}, {572, 16384, 2048},
-                                    {1064, 16384, 2048}, {34048, 16384, 2048}, {704, 4096, 1024}};
+    /* the seed's prefix, three cameras, Pi0.5's 60-token prompt (a short last tile), Pi0's 48, B = 2, Pi0.5's B = 2,
+     * B = 64, and the expert's at B = 64 */
+    static const int shapes[][3] = {{532, 16384, 2048},  {788, 16384, 2048},   {572, 16384, 2048},
+                                    {560, 16384, 2048},  {1064, 16384, 2048},  {1144, 16384, 2048},
+                                    {34048, 16384, 2048}, {704, 4096, 1024}};
     if (argc != 1 && argc != 4) {
         fprintf(stderr, "usage: %s [ROWS MLP K]\n", argv[0]);
         return 2;

@@ -15,6 +15,15 @@
  * and release each stage to both blocks' producers once their products have read it. One block a multiprocessor walks
  * the work units in turn (persistent), the ring running on from one unit to the next.
  *
+ * Tokens that are not a multiple of 272 take wide units too: cuBLASLt's tile turned around, 256 weight rows a block x
+ * N tokens, the same products and bytes a stage as a narrow unit (each warpgroup's two products take two 64-row weight
+ * tiles against the one token tile, which cluster rank 0 copies into both blocks). The kernel comes in two token
+ * widths N, and the host takes the one that pads fewer tokens: N = 136 runs narrow units (2 x 136 tokens) and one wide
+ * unit for a last tile of 136 or fewer; N = 144 runs wide units only, so Pi0.5's 512 + 60 tokens are four tiles of 144
+ * (576) rather than 2 x 272 + 136 (680). A narrow unit there would load a whole tile's weights for half its products
+ * (session 29: 0.6-1 ms of prefix lost); the 136 kernel's wide unit still padded 19% and lost 7 us a layer to cuBLASLt;
+ * the 144 kernel wins 8 (bench/NOTES.md, session 30).
+ *
  * Epilogue: in wgmma's accumulator layout thread (g = lane / 4) holds rows g and g + 8 of its warp's 16, so gate_j
  * (row 2j) and up_j (row 2j + 1) sit in lanes 4 apart; one shuffle gives each thread both halves of one pair per
  * column. Gate and up are rounded to bf16 before gelu x up, as cuBLASLt's bf16 output and pi0_cuda_gelu_mul do, so the
@@ -29,21 +38,25 @@
 
 namespace {
 
-constexpr int kBK = 64;                             /* k per stage: one 128-byte swizzled row */
-constexpr int kTileW = 128;                         /* weight rows a block: 64 gate|up pairs */
-constexpr int kHalfT = 136;                         /* tokens a product (n136), and a cluster rank's share of the copies */
-constexpr int kTileT = 2 * kHalfT;                  /* tokens a block */
-constexpr int kCluster = 2;                         /* blocks sharing the token tile */
+constexpr int kBK = 64;                 /* k per stage: one 128-byte swizzled row */
+constexpr int kTileW = 128;             /* weight rows a block in a narrow unit: 64 gate|up pairs */
+constexpr int kCluster = 2;             /* blocks sharing the token tile */
 constexpr int kStages = 4;
-constexpr int kWBytes = kTileW * kBK * 2;           /* 16 KB */
-constexpr int kXBytes = kTileT * kBK * 2;           /* 34 KB */
-constexpr int kStageBytes = kWBytes + kXBytes;      /* 50 KB */
-constexpr int kOutBytes = kHalfT * kTileW;          /* the epilogue's staging: 136 tokens x 64 outputs, 17 KB */
-constexpr int kSmem = kStages * kStageBytes + kOutBytes + 1024; /* + the alignment of the first stage */
+constexpr int kWBytes = kTileW * kBK * 2; /* 16 KB */
+constexpr int kStageBytes = 50 * 1024;    /* a narrow unit's 128 weight rows and 2 x 136 tokens, or a wide unit's 256
+                                           * and 136 or 144 */
 constexpr int kThreads = 384;
-constexpr int kConsumers = 256;                     /* warpgroups 1 and 2 */
+[[maybe_unused]] constexpr int kConsumers = 256;         /* warpgroups 1 and 2 */
 
-static_assert(kStageBytes % 1024 == 0 && (kHalfT * 128) % 1024 == 0, "swizzled tiles start 1024-byte aligned");
+/* N: tokens a product (wgmma's n), 136 or 144. The 136 kernel runs narrow units (2 x 136 tokens a tile) and a wide one
+ * for a last tile of 136 or fewer; the 144 kernel runs wide units only (its narrow stage would not fit). */
+template <int N>
+constexpr int smem_bytes() {
+    static_assert(N == 136 || N == 144, "the products' n");
+    static_assert(2 * kWBytes + N * 128 <= kStageBytes && (N != 136 || kWBytes + 2 * N * 128 <= kStageBytes), "stage");
+    static_assert(kStageBytes % 1024 == 0 && (N * 128) % 1024 == 0, "swizzled tiles start 1024-byte aligned");
+    return kStages * kStageBytes + N * 128 + 1024; /* + the epilogue's staging (N tokens x 64 outputs), the alignment */
+}
 
 /* gelu_tanh(x) = x (1 + tanh(u)) / 2 = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3): the fast exponential and
  * division (relative error ~1e-6, far under the bf16 rounding that follows) rather than tanhf, whose branches made the
@@ -54,17 +67,18 @@ static_assert(kStageBytes % 1024 == 0 && (kHalfT * 128) % 1024 == 0, "swizzled t
 }
 
 /*
- * One product's 64 x 136 accumulators (weight rows in gate|up pairs x tokens) as gelu(gate) x up into the staging
+ * One product's 64 x N accumulators (weight rows in gate|up pairs x tokens) as gelu(gate) x up into the staging
  * tile, token-major: row t holds the block's 64 outputs for token t (128 bytes), its 16-byte chunks swizzled by t % 8
  * so that the four tokens a store instruction writes fall in different banks. Pairing: thread (g = lane / 4) holds rows
  * g and g + 8 of its warp's 16; even g computes pair g / 2 of the warp's 8 from its row g (gate) and its partner's
  * (up), odd g pair 4 + g / 2 from its partner's row g + 8 (gate) and its own (up); gate and up are rounded to bf16
  * first, as the GEMM's output would be, and travel as one packed pair per column pair.
  */
-[[maybe_unused]] __device__ __forceinline__ void stage_gelu_up(const float (&acc)[17][4], uint32_t staging, int pair0) {
+template <int N>
+[[maybe_unused]] __device__ __forceinline__ void stage_gelu_up(const float (&acc)[N / 8][4], uint32_t staging, int pair0) {
     const int lane = threadIdx.x % 32, g = lane / 4, odd = g & 1, j = pair0 + (odd ? 4 + g / 2 : g / 2);
 #pragma unroll
-    for (int n = 0; n < 17; n++) {
+    for (int n = 0; n < N / 8; n++) {
         const uint32_t row_g = pack_bf16(acc[n][0], acc[n][1]), row_g8 = pack_bf16(acc[n][2], acc[n][3]);
         const uint32_t other = __shfl_xor_sync(0xffffffffu, odd ? row_g : row_g8, 4);
         const uint32_t gate = odd ? other : row_g, up = odd ? row_g8 : other;
@@ -79,52 +93,103 @@ static_assert(kStageBytes % 1024 == 0 && (kHalfT * 128) % 1024 == 0, "swizzled t
     }
 }
 
-/* The staging tile's real tokens out to (tok0.., pair0..pair0 + 63) of out, a 128-byte line a token, 16 bytes a
- * thread. */
+/* The staging tile's real tokens out to (tok0.., its 64 columns) of out, 16 bytes a thread: staging column j (a
+ * product's pairs j % 32 of warpgroup j / 32) is output column col0 + j % 32 + (j / 32) * wg_stride, so a token's 64
+ * outputs are one 128-byte line (a full unit: wg_stride 32) or two 64-byte halves (a short unit: 64). */
+template <int N>
 [[maybe_unused]] __device__ __forceinline__ void copy_out(uint32_t staging, __nv_bfloat16 *out, int rows, int mlp,
-                                                          int tok0, int pair0) {
-    const int count = (rows - tok0 < kHalfT ? rows - tok0 : kHalfT) * 8;
+                                                          int tok0, int col0, int wg_stride) {
+    const int count = (rows - tok0 < N ? rows - tok0 : N) * 8;
     for (int i = (int)threadIdx.x - 128; i < count; i += kConsumers) {
         const int t = i / 8, chunk = i % 8;
         uint4 v;
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                      : "r"(staging + t * 128 + ((chunk ^ (t % 8)) * 16)));
-        *reinterpret_cast<uint4 *>(out + (size_t)(tok0 + t) * mlp + pair0 + chunk * 8) = v;
+        const int col = col0 + (chunk % 4) * 8 + (chunk / 4) * wg_stride;
+        *reinterpret_cast<uint4 *>(out + (size_t)(tok0 + t) * mlp + col) = v;
     }
 }
 
-/* Where work unit `unit` puts cluster rank `rank`: its first weight row (its weight pair's tile for that rank) and its
- * token tile's first token. Token tiles fastest, so that the clusters running at once share weight tiles (read from
- * DRAM once, the next time from L2). The producer and the products walk the units alike through this. */
+/* The work units: per super-tile of 512 weight rows (a cluster's two blocks twice over), its narrow units (two weight
+ * tiles of 256 rows x the 2N-token tiles, token tiles fastest, so that the clusters running at once share weight tiles,
+ * read from DRAM once, the next time from L2), then its wide units (512 rows x an N-token tile). Every unit is the same
+ * work: a block's 128 weight rows x 2N tokens, or 256 x N. */
+struct Units {
+    int narrow_tiles, per_super, total;
+};
+template <int N>
+[[maybe_unused]] __host__ __device__ __forceinline__ Units count_units(int rows, int mlp) {
+    int narrow = 0, wide = (rows + N - 1) / N; /* the 144 kernel: every tile wide */
+    if (N == 136) { /* tiles of 2N, and a last one of N or fewer wide */
+        const int last = rows % (2 * N);
+        narrow = rows / (2 * N) + (last > N);
+        wide = last > 0 && last <= N;
+    }
+    return {narrow, 2 * narrow + wide, (2 * narrow + wide) * (2 * mlp / (2 * kTileW * kCluster))};
+}
+
+/* Tokens the units cover, padding included: what the product costs, in tokens. */
+template <int N>
+int padded_tokens(int rows) {
+    const Units u = count_units<N>(rows, 256);
+    return 2 * N * u.narrow_tiles + N * (u.per_super - 2 * u.narrow_tiles);
+}
+
+/* Where unit `unit` puts cluster rank `rank`: its first weight row and first token, and whether it is wide. The
+ * producer and the products walk the units alike through this. */
 struct UnitOrigin {
     int w_row0, tok0;
+    bool wide;
 };
-[[maybe_unused]] __device__ __forceinline__ UnitOrigin unit_origin(int unit, int token_tiles, unsigned rank) {
-    return {((unit / token_tiles) * kCluster + (int)rank) * kTileW, (unit % token_tiles) * kTileT};
+template <int N>
+[[maybe_unused]] __device__ __forceinline__ UnitOrigin unit_origin(int unit, const Units &u, unsigned rank) {
+    const int super = unit / u.per_super, r = unit % u.per_super;
+    if (N != 136 || r >= 2 * u.narrow_tiles) /* 256 weight rows a block (the 144 kernel: always) */
+        return {(super * kCluster + (int)rank) * 2 * kTileW, u.narrow_tiles * 2 * N + (r - 2 * u.narrow_tiles) * N, true};
+    const int w_tile = super * 2 + r / u.narrow_tiles; /* of 256 rows, a cluster's */
+    return {(w_tile * kCluster + (int)rank) * kTileW, (r % u.narrow_tiles) * 2 * N, false};
+}
+
+/* Where a unit's operands sit in a stage: a narrow unit's 128 weight rows, then its 2N tokens; a wide unit's 256 weight
+ * rows, then its N tokens. Warpgroup c's two products take (a_lo, b_lo) and (a_hi, b_hi): a narrow unit its 64 weight
+ * rows against both token halves, a wide unit its two 64-row weight tiles against the one token tile. */
+struct StageOperands {
+    int a_lo, a_hi, b_lo, b_hi; /* byte offsets in the stage */
+};
+template <int N>
+[[maybe_unused]] __device__ __forceinline__ StageOperands stage_operands(bool wide, int c) {
+    if (wide) return {c * 2 * 64 * 128, (c * 2 + 1) * 64 * 128, 2 * kWBytes, 2 * kWBytes};
+    return {c * 64 * 128, c * 64 * 128, kWBytes, kWBytes + N * 128};
+}
+
+template <int N>
+[[maybe_unused]] __device__ __forceinline__ void product(float (&d)[N / 8][4], uint64_t a, uint64_t b) {
+    if constexpr (N == 136) wg_m64n136k16_ss(d, a, b, 1);
+    else wg_m64n144k16_ss(d, a, b, 1);
 }
 
 /*
- * A unit's k loop for one products warpgroup: weight rows 64 c.. of the tile times its tokens 0-135 (lo) and, with
- * BOTH, 136-271 (hi), stage by stage from the ring at position `it`; each stage is released to both blocks' producers
- * once the products after it are issued and its own are done. Returns the ring's position after the unit. (BOTH is a
- * template parameter: a product under a run-time condition makes ptxas fence every product, its C7519 remark.)
+ * A unit's k loop for one products warpgroup: its two products (stage_operands) stage by stage from the ring at
+ * position `it`; each stage is released to both blocks' producers once the products after it are issued and its own
+ * are done. Returns the ring's position after the unit.
  */
-template <bool BOTH>
-__device__ __forceinline__ int products(float (&lo)[17][4], float (&hi)[17][4], uint32_t ring, uint64_t *full,
-                                        uint64_t *empty, int c, int k_steps, int it) {
+template <int N>
+[[maybe_unused]] __device__ __forceinline__ int products(float (&lo)[N / 8][4], float (&hi)[N / 8][4], uint32_t ring,
+                                                         uint64_t *full, uint64_t *empty, StageOperands op, int k_steps,
+                                                         int it) {
 #if PI0_WGMMA
     for (int kt = 0; kt < k_steps; kt++, it++) {
         const int s = it % kStages;
-        const uint32_t w_tile = ring + s * kStageBytes, x_tile = w_tile + kWBytes;
+        const uint32_t stage = ring + s * kStageBytes;
         mbar_wait(smem_addr(&full[s]), (unsigned)(it / kStages) & 1);
-        const uint64_t a = wg_desc(w_tile + c * 64 * 128, 16, 1024), b_lo = wg_desc(x_tile, 16, 1024),
-                       b_hi = wg_desc(x_tile + kHalfT * 128, 16, 1024);
+        const uint64_t a_lo = wg_desc(stage + op.a_lo, 16, 1024), a_hi = wg_desc(stage + op.a_hi, 16, 1024),
+                       b_lo = wg_desc(stage + op.b_lo, 16, 1024), b_hi = wg_desc(stage + op.b_hi, 16, 1024);
         wg_fence();
 #pragma unroll
         for (int kc = 0; kc < kBK / 16; kc++) { /* k16 step: 32 bytes on in the 128-byte rows */
-            wg_m64n136k16_ss(lo, a + 2 * kc, b_lo + 2 * kc, 1);
-            if (BOTH) wg_m64n136k16_ss(hi, a + 2 * kc, b_hi + 2 * kc, 1);
+            product<N>(lo, a_lo + 2 * kc, b_lo + 2 * kc);
+            product<N>(hi, a_hi + 2 * kc, b_hi + 2 * kc);
         }
         wg_commit();
         wg_wait<1>(); /* the previous stage's products are done: release it */
@@ -139,19 +204,21 @@ __device__ __forceinline__ int products(float (&lo)[17][4], float (&hi)[17][4], 
 }
 
 /*
- * Persistent: each cluster walks the work units (its two blocks' weight tiles x one token tile, unit_origin)
- * cluster_id, cluster_id + num_clusters, .... The ring of stages runs on across units: while the products' warpgroups
- * write one unit's epilogue, the producer is already loading the next unit's first stages.
+ * Persistent: each cluster walks the work units (count_units, unit_origin) cluster_id, cluster_id + num_clusters, ....
+ * The ring of stages runs on across units: while the products' warpgroups write one unit's epilogue, the producer is
+ * already loading the next unit's first stages.
  */
+template <int N>
 __global__ void __launch_bounds__(kThreads, 1)
     gate_up_gelu_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,
-                        __nv_bfloat16 *out, int rows, int mlp, int k_steps, int token_tiles) {
+                        __nv_bfloat16 *out, int rows, int mlp, int k_steps) {
 #if PI0_WGMMA
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
     const uint32_t ring = (smem_addr(smem_raw) + 1023) & ~1023u, staging = ring + kStages * kStageBytes;
     const unsigned rank = cluster_rank();
-    const int num_clusters = (int)gridDim.x / kCluster, units = token_tiles * (2 * mlp / kTileW / kCluster);
+    const int num_clusters = (int)gridDim.x / kCluster;
+    const Units units = count_units<N>(rows, mlp);
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -167,60 +234,61 @@ __global__ void __launch_bounds__(kThreads, 1)
         regs_decrease<40>();
         if (threadIdx.x == 0) {
             int it = 0; /* k steps issued, over all units: the ring's position */
-            for (int unit = (int)blockIdx.x / kCluster; unit < units; unit += num_clusters) {
-                const UnitOrigin o = unit_origin(unit, token_tiles, rank);
-                const int tok = o.tok0 + (int)rank * kHalfT; /* this block's half of the token tile */
+            for (int unit = (int)blockIdx.x / kCluster; unit < units.total; unit += num_clusters) {
+                const UnitOrigin o = unit_origin<N>(unit, units, rank);
                 for (int kt = 0; kt < k_steps; kt++, it++) {
                     const int s = it % kStages;
-                    const uint32_t w_dst = ring + s * kStageBytes, x_dst = w_dst + kWBytes, bar = smem_addr(&full[s]);
+                    const uint32_t stage = ring + s * kStageBytes, bar = smem_addr(&full[s]);
                     mbar_wait(smem_addr(&empty[s]), ((unsigned)(it / kStages) & 1) ^ 1); /* both blocks done with it */
-                    mbar_expect_bytes(bar, kStageBytes);
-                    tma_load_2d(w_dst, &w_map, kt * kBK, o.w_row0, bar);
-                    tma_load_2d_multicast(x_dst + rank * kHalfT * 128, &x_map, kt * kBK, tok, bar,
-                                          (uint16_t)((1u << kCluster) - 1));
+                    if (o.wide) { /* 256 weight rows; rank 0 copies the N tokens into both blocks */
+                        mbar_expect_bytes(bar, 2 * kWBytes + N * 128);
+                        tma_load_2d(stage, &w_map, kt * kBK, o.w_row0, bar);
+                        tma_load_2d(stage + kWBytes, &w_map, kt * kBK, o.w_row0 + kTileW, bar);
+                        if (rank == 0)
+                            tma_load_2d_multicast(stage + 2 * kWBytes, &x_map, kt * kBK, o.tok0, bar,
+                                                  (uint16_t)((1u << kCluster) - 1));
+                    } else { /* 128 weight rows; each rank copies half of the 2N tokens into both blocks */
+                        mbar_expect_bytes(bar, kWBytes + 2 * N * 128);
+                        tma_load_2d(stage, &w_map, kt * kBK, o.w_row0, bar);
+                        tma_load_2d_multicast(stage + kWBytes + rank * N * 128, &x_map, kt * kBK, o.tok0 + (int)rank * N,
+                                              bar, (uint16_t)((1u << kCluster) - 1));
+                    }
                 }
             }
         }
     } else {
         regs_increase<232>();
-        const int c = wg - 1; /* this warpgroup's 64 weight rows of the tile */
+        const int c = wg - 1; /* this warpgroup's share of the tile's weight rows */
         const int warp = (threadIdx.x % 128) / 32;
         int it = 0;
-        for (int unit = (int)blockIdx.x / kCluster; unit < units; unit += num_clusters) {
-            /* tokens 0-135 and 136-271 of the tile, zeroed rather than overwritten by the first product: with the
-             * first product's scale-d a variable, ptxas serializes the products (its C7511 warning) */
-            float lo[17][4], hi[17][4];
+        for (int unit = (int)blockIdx.x / kCluster; unit < units.total; unit += num_clusters) {
+            /* zeroed rather than overwritten by the first product: with the first product's scale-d a variable, ptxas
+             * serializes the products (its C7511 warning) */
+            float lo[N / 8][4], hi[N / 8][4];
 #pragma unroll
-            for (int n = 0; n < 17; n++)
+            for (int n = 0; n < N / 8; n++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) lo[n][i] = hi[n][i] = 0.f;
-            /* a last token tile of at most 136 tokens skips the second half's products (the engine sends no such
-             * shape: they still lost to cuBLASLt, gate_up.h; the tests and the lab do) */
-            const UnitOrigin o = unit_origin(unit, token_tiles, rank);
-            const bool both = o.tok0 + kHalfT < rows;
-            if (both)
-                it = products<true>(lo, hi, ring, full, empty, c, k_steps, it);
-            else
-                it = products<false>(lo, hi, ring, full, empty, c, k_steps, it);
+            const UnitOrigin o = unit_origin<N>(unit, units, rank);
+            it = products<N>(lo, hi, ring, full, empty, stage_operands<N>(o.wide, c), k_steps, it);
             wg_pin(lo);
             wg_pin(hi);
-            const int pair0 = o.w_row0 / 2;
-            const int warp_pairs = c * 32 + warp * 8; /* of the block's 64 */
-            stage_gelu_up(lo, staging, warp_pairs);
+            /* staging columns c * 32 + 8 warp ..: this warp's 8 pairs of each product */
+            const int pair0 = o.w_row0 / 2, warp_pairs = c * 32 + warp * 8, wg_stride = o.wide ? 64 : 32;
+            stage_gelu_up<N>(lo, staging, warp_pairs);
             named_sync(1, kConsumers); /* the staging tile complete */
-            copy_out(staging, out, rows, mlp, o.tok0, pair0);
+            copy_out<N>(staging, out, rows, mlp, o.tok0, pair0, wg_stride);
             named_sync(1, kConsumers); /* and read */
-            if (both) {
-                stage_gelu_up(hi, staging, warp_pairs);
-                named_sync(1, kConsumers);
-                copy_out(staging, out, rows, mlp, o.tok0 + kHalfT, pair0);
-                named_sync(1, kConsumers);
-            }
+            stage_gelu_up<N>(hi, staging, warp_pairs);
+            named_sync(1, kConsumers);
+            if (o.wide) copy_out<N>(staging, out, rows, mlp, o.tok0, pair0 + 32, wg_stride);
+            else copy_out<N>(staging, out, rows, mlp, o.tok0 + N, pair0, wg_stride);
+            named_sync(1, kConsumers);
         }
     }
     cluster_barrier(); /* no block leaves while its partner may still arrive on its barriers */
 #else
-    (void)w_map, (void)x_map, (void)out, (void)rows, (void)mlp, (void)k_steps, (void)token_tiles;
+    (void)w_map, (void)x_map, (void)out, (void)rows, (void)mlp, (void)k_steps;
     __trap();
 #endif
 }
@@ -238,41 +306,52 @@ bool matrix_map(CUtensorMap *map, const void *base, int rows, int cols, int box_
 
 } // namespace
 
+/* The kernel for these rows: the 144 one where its tiles pad fewer tokens (Pi0.5's 512 + 60: 576 against 2 x 272 +
+ * 136), else the 136 one. */
+static int tokens_a_product(int rows) { return padded_tokens<144>(rows) < padded_tokens<136>(rows) ? 144 : 136; }
+
 extern "C" int pi0_cuda_gate_up_gelu_pays(int rows, int k) {
-    const int last_tile = rows % kTileT; /* tokens in the last token tile, 0: full */
-    return rows >= 256 && rows <= 2176 && k >= 2048 && (last_tile == 0 || last_tile > kHalfT);
+    if (rows < 256 || rows > 2176 || k < 2048) return 0;
+    const int padded = tokens_a_product(rows) == 144 ? padded_tokens<144>(rows) : padded_tokens<136>(rows);
+    return 8 * padded <= 9 * rows; /* at most 1/8 padding */
 }
 
 extern "C" int pi0_cuda_gate_up_gelu_fits(int rows, int mlp, int k) {
-    return rows > 0 && mlp > 0 && mlp % (kTileW / 2 * kCluster) == 0 && k > 0 && k % 8 == 0 && sm90a_device() &&
+    return rows > 0 && mlp > 0 && mlp % (kTileW * kCluster) == 0 && k > 0 && k % 8 == 0 && sm90a_device() &&
            tensor_map_encoder() != NULL;
 }
 
-extern "C" cudaError_t pi0_cuda_gate_up_gelu(pi0_bf16 *out, const pi0_bf16 *x, const pi0_bf16 *w, int rows, int mlp,
-                                             int k, cudaStream_t stream) {
-    if (!pi0_cuda_gate_up_gelu_fits(rows, mlp, k) || (uintptr_t)out % 16) return cudaErrorInvalidValue;
+template <int N>
+static cudaError_t launch(__nv_bfloat16 *out, const pi0_bf16 *x, const pi0_bf16 *w, int rows, int mlp, int k, int sms,
+                          int dev, cudaStream_t stream) {
     static int configured[PI0_CUDA_MAX_DEVICES];
-    int dev = 0, sms = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e != cudaSuccess) return e;
+    cudaError_t e;
     if (dev < 0 || dev >= PI0_CUDA_MAX_DEVICES || !__atomic_load_n(&configured[dev], __ATOMIC_ACQUIRE)) {
-        if ((e = cudaFuncSetAttribute(gate_up_gelu_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)) !=
-            cudaSuccess)
+        if ((e = cudaFuncSetAttribute(gate_up_gelu_kernel<N>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      smem_bytes<N>())) != cudaSuccess)
             return e;
         if (dev >= 0 && dev < PI0_CUDA_MAX_DEVICES) __atomic_store_n(&configured[dev], 1, __ATOMIC_RELEASE);
     }
     CUtensorMap w_map, x_map;
-    if (!matrix_map(&w_map, w, 2 * mlp, k, kTileW) || !matrix_map(&x_map, x, rows, k, kHalfT))
-        return cudaErrorInvalidValue;
-    const int token_tiles = (rows + kTileT - 1) / kTileT, units = token_tiles * (2 * mlp / kTileW / kCluster);
-    const int clusters = units < sms / kCluster ? units : sms / kCluster;
+    if (!matrix_map(&w_map, w, 2 * mlp, k, kTileW) || !matrix_map(&x_map, x, rows, k, N)) return cudaErrorInvalidValue;
+    const int units = count_units<N>(rows, mlp).total, clusters = units < sms / kCluster ? units : sms / kCluster;
     cudaLaunchAttribute cluster;
     cluster.id = cudaLaunchAttributeClusterDimension;
     cluster.val.clusterDim.x = kCluster, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)(clusters * kCluster)), cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmem, cfg.stream = stream, cfg.attrs = &cluster, cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, gate_up_gelu_kernel, w_map, x_map, reinterpret_cast<__nv_bfloat16 *>(out), rows, mlp,
-                              (k + kBK - 1) / kBK, token_tiles);
+    cfg.dynamicSmemBytes = smem_bytes<N>(), cfg.stream = stream, cfg.attrs = &cluster, cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, gate_up_gelu_kernel<N>, w_map, x_map, out, rows, mlp, (k + kBK - 1) / kBK);
+}
+
+extern "C" cudaError_t pi0_cuda_gate_up_gelu(pi0_bf16 *out, const pi0_bf16 *x, const pi0_bf16 *w, int rows, int mlp,
+                                             int k, cudaStream_t stream) {
+    if (!pi0_cuda_gate_up_gelu_fits(rows, mlp, k) || (uintptr_t)out % 16) return cudaErrorInvalidValue;
+    int dev = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return e;
+    __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(out);
+    return tokens_a_product(rows) == 144 ? launch<144>(o, x, w, rows, mlp, k, sms, dev, stream)
+                                         : launch<136>(o, x, w, rows, mlp, k, sms, dev, stream);
 }

@@ -19,17 +19,17 @@ extern "C" {
 #endif
 
 /* Whether the kernel runs these dims on the current device: an sm_90a device (H100, H200) whose driver has tensor
- * maps, mlp a multiple of 128 and k of 8. */
+ * maps, mlp a multiple of 256 and k of 8. */
 int pi0_cuda_gate_up_gelu_fits(int rows, int mlp, int k);
 
 /*
  * Whether the kernel beats cuBLASLt's gate|up and pi0_cuda_gelu_mul at these dims, as measured on an H100
- * (bench/NOTES.md, session 29): a prefix of one to four samples (256 to 2176 rows), whose k (the LLM's 2048) is long
- * enough to hide the epilogue's stall of the products (the expert's 1024 is not), and whose last token tile is more
- * than half full: tokens then pad to a multiple of 136 as cuBLASLt's tiles do, where a last tile of 136 tokens or
- * fewer (Pi0.5's 512 + 60 prompt tokens, Pi0's 512 + 48) loaded a whole tile's weights for half its products and
- * lost 0.5-0.6 ms of the prefix. Past ~2200 rows (B = 8 and up) the GPU runs at its power cap, where the kernel
- * measured slower (B = 64 -2.5%). Dims only: it says nothing of the device (pi0_cuda_gate_up_gelu_fits).
+ * (bench/NOTES.md, sessions 29-30): a prefix of one to four samples (256 to 2176 rows), whose k (the LLM's 2048) is
+ * long enough to hide the epilogue's stall of the products (the expert's 1024 is not), and whose tokens the kernel's
+ * tiles (2 x 136, or 144) cover with at most 1/8 padding: the seed's 532 rows pad to 544, Pi0.5's 572 (a 60-token
+ * prompt) to 576, where 300 rows, padded to 408, lost to cuBLASLt. Past ~2200 rows (B = 8 and up) the GPU runs at its
+ * power cap, where the kernel measured slower (B = 64 -2.5%). Dims only: it says nothing of the device
+ * (pi0_cuda_gate_up_gelu_fits).
  */
 int pi0_cuda_gate_up_gelu_pays(int rows, int k);
 

@@ -137,10 +137,11 @@ static __device__ __forceinline__ void wg_m64n8k16_rs_tb(float (&d)[4], const ui
         "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]),                \
         "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]),                \
         "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3])
-#define PI0_WG_REGS68 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "    \
+#define PI0_WG_LIST68 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "    \
     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, "        \
     "%41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "        \
-    "%62, %63, %64, %65, %66, %67}"
+    "%62, %63, %64, %65, %66, %67"
+#define PI0_WG_REGS68 "{" PI0_WG_LIST68 "}"
 
 /* d (64 x 136 f32) = a b^T (+ d when accumulate): a 64 x 16 and b 136 x 16 bf16, both K-major in shared memory. */
 static __device__ __forceinline__ void wg_m64n136k16_ss(float (&d)[17][4], uint64_t a_desc, uint64_t b_desc,
@@ -149,6 +150,23 @@ static __device__ __forceinline__ void wg_m64n136k16_ss(float (&d)[17][4], uint6
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n136k16.f32.bf16.bf16 " PI0_WG_REGS68 ", %68, %69, p, 1, 1, 0, 0;\n}\n"
                  : PI0_WG_D68(d)
+                 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+#else
+    (void)d, (void)a_desc, (void)b_desc, (void)accumulate;
+    __trap();
+#endif
+}
+
+#define PI0_WG_D72(d) PI0_WG_D68(d), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3])
+#define PI0_WG_REGS72 "{" PI0_WG_LIST68 ", %68, %69, %70, %71}"
+
+/* d (64 x 144 f32) = a b^T (+ d when accumulate), as wg_m64n136k16_ss for 144 columns of b. */
+static __device__ __forceinline__ void wg_m64n144k16_ss(float (&d)[18][4], uint64_t a_desc, uint64_t b_desc,
+                                                        int accumulate) {
+#if PI0_WGMMA
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n144k16.f32.bf16.bf16 " PI0_WG_REGS72 ", %72, %73, p, 1, 1, 0, 0;\n}\n"
+                 : PI0_WG_D72(d)
                  : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 #else
     (void)d, (void)a_desc, (void)b_desc, (void)accumulate;
@@ -181,6 +199,9 @@ static __device__ __forceinline__ void regs_decrease(void) {
 #undef PI0_WG_D32
 #undef PI0_WG_D68
 #undef PI0_WG_REGS68
+#undef PI0_WG_LIST68
+#undef PI0_WG_D72
+#undef PI0_WG_REGS72
 #undef PI0_WG_REGS32
 
 /* mbarriers: a transaction count (the bytes a tensor copy will deliver) and a phase bit per use. */

@@ -211,9 +211,9 @@ TEST(gelu_mul_matches_cpu) {
 }
 
 /* gelu(x w_gate^T) x (x w_up^T) in one Hopper kernel (gate_up.cu) against cpu_linear and cpu_gelu_mul, gate and up
- * rounded to bf16 in between as the kernel (and the cuBLASLt path) does. The sizes straddle the kernel's tiles: tokens
- * in tiles of 272 and halves of 136, weight rows in pairs of 128-row tiles, k in steps of 64 (a tail the tensor copies
- * fill with zeros). */
+ * rounded to bf16 in between as the kernel (and the cuBLASLt path) does. The sizes straddle the kernel's tiles: both of
+ * its token tilings (2 x 136 with a last wide tile of 136 or fewer, or 144 each), weight rows in super-tiles of 512,
+ * k in steps of 64 (a tail the tensor copies fill with zeros). */
 static void gate_up_gelu_case(int rows, int mlp, int k) {
     size_t nx = (size_t)rows * k, nw = (size_t)2 * mlp * k, nout = (size_t)rows * mlp;
     float *x = malloc(nx * 4), *w = malloc(nw * 4), *both = malloc((size_t)rows * 2 * mlp * 4);
@@ -238,12 +238,14 @@ static void gate_up_gelu_case(int rows, int mlp, int k) {
 }
 
 TEST(gate_up_gelu_matches_cpu) {
-    if (!pi0_cuda_gate_up_gelu_fits(1, 128, 64)) SKIP("not an sm_90a device (or build), or no tensor maps in its driver");
-    gate_up_gelu_case(1, 128, 64);      /* one token: one weight pair, one k step */
-    gate_up_gelu_case(137, 256, 72);    /* past a half tile of tokens; k's last step 8 deep */
-    gate_up_gelu_case(545, 384, 200);   /* three token tiles, the last of one token; three weight pairs */
+    if (!pi0_cuda_gate_up_gelu_fits(1, 256, 64)) SKIP("not an sm_90a device (or build), or no tensor maps in its driver");
+    gate_up_gelu_case(1, 256, 64);       /* one token: the 136 kernel's wide unit alone, one k step */
+    gate_up_gelu_case(137, 256, 72);     /* the 144 kernel, one tile; k's last step 8 deep */
+    gate_up_gelu_case(532, 512, 128);    /* the 136 kernel's narrow tiles, the last with 124 tokens in its second half */
+    gate_up_gelu_case(936, 768, 200);    /* three narrow tiles and a wide one of 120 tokens; three super-tiles */
+    gate_up_gelu_case(572, 16384, 2048); /* Pi0.5's prefix at a 60-token prompt: the 144 kernel, four tiles */
     gate_up_gelu_case(532, 16384, 2048); /* the seed's prefix */
-    CHECK(!pi0_cuda_gate_up_gelu_fits(16, 192, 64) && !pi0_cuda_gate_up_gelu_fits(16, 128, 60),
+    CHECK(!pi0_cuda_gate_up_gelu_fits(16, 384, 64) && !pi0_cuda_gate_up_gelu_fits(16, 256, 60),
           "dims outside the kernel's tiles are refused");
 }
 
