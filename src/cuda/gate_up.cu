@@ -111,12 +111,15 @@ template <int N>
     }
 }
 
-/* The work units: per super-tile of 512 weight rows (a cluster's two blocks twice over), its narrow units (two weight
- * tiles of 256 rows x the 2N-token tiles, token tiles fastest, so that the clusters running at once share weight tiles,
- * read from DRAM once, the next time from L2), then its wide units (512 rows x an N-token tile). Every unit is the same
- * work: a block's 128 weight rows x 2N tokens, or 256 x N. */
+/* The work units. A super-tile is 512 weight rows (a cluster's two blocks twice over); a narrow unit is a block's 128
+ * weight rows x a 2N-token tile (two a super-tile and tile: w halves 0 and 1), a wide unit 256 weight rows x an N-token
+ * tile; every unit is the same work. The order keeps what the clusters running at once read in L2: super-tiles go in
+ * groups of kGroup (16 MB of weights), and within a group, token tile by token tile, every super-tile of the group
+ * takes its units, so a token tile is read from DRAM once a group and a group's weights once (B = 64's x, 139 MB,
+ * would otherwise come from DRAM once per super-tile: 8.9 GB a layer). */
+[[maybe_unused]] constexpr int kGroup = 8;
 struct Units {
-    int narrow_tiles, per_super, total;
+    int narrow_tiles, per_super, supers, total;
 };
 template <int N>
 [[maybe_unused]] __host__ __device__ __forceinline__ Units count_units(int rows, int mlp) {
@@ -126,7 +129,8 @@ template <int N>
         narrow = rows / (2 * N) + (last > N);
         wide = last > 0 && last <= N;
     }
-    return {narrow, 2 * narrow + wide, (2 * narrow + wide) * (2 * mlp / (2 * kTileW * kCluster))};
+    const int supers = 2 * mlp / (2 * kTileW * kCluster);
+    return {narrow, 2 * narrow + wide, supers, (2 * narrow + wide) * supers};
 }
 
 /* Tokens the units cover, padding included: what the product costs, in tokens. */
@@ -144,11 +148,16 @@ struct UnitOrigin {
 };
 template <int N>
 [[maybe_unused]] __device__ __forceinline__ UnitOrigin unit_origin(int unit, const Units &u, unsigned rank) {
-    const int super = unit / u.per_super, r = unit % u.per_super;
-    if (N != 136 || r >= 2 * u.narrow_tiles) /* 256 weight rows a block (the 144 kernel: always) */
-        return {(super * kCluster + (int)rank) * 2 * kTileW, u.narrow_tiles * 2 * N + (r - 2 * u.narrow_tiles) * N, true};
-    const int w_tile = super * 2 + r / u.narrow_tiles; /* of 256 rows, a cluster's */
-    return {(w_tile * kCluster + (int)rank) * kTileW, (r % u.narrow_tiles) * 2 * N, false};
+    const int first = unit / (kGroup * u.per_super) * kGroup; /* the group's first super-tile */
+    const int supers = u.supers - first < kGroup ? u.supers - first : kGroup;
+    int r = unit - first * u.per_super; /* the unit within its group */
+    if (N == 136 && r < 2 * u.narrow_tiles * supers) { /* narrow: token tile, then super-tile, then w half */
+        const int tile = r / (2 * supers), w_tile = first * 2 + r % (2 * supers); /* of 256 rows, a cluster's */
+        return {(w_tile * kCluster + (int)rank) * kTileW, tile * 2 * N, false};
+    }
+    r -= 2 * u.narrow_tiles * supers; /* wide: token tile, then super-tile (the 144 kernel: always) */
+    const int super = first + r % supers;
+    return {(super * kCluster + (int)rank) * 2 * kTileW, u.narrow_tiles * 2 * N + r / supers * N, true};
 }
 
 /* Where a unit's operands sit in a stage: a narrow unit's 128 weight rows, then its 2N tokens; a wide unit's 256 weight
@@ -311,7 +320,7 @@ bool matrix_map(CUtensorMap *map, const void *base, int rows, int cols, int box_
 static int tokens_a_product(int rows) { return padded_tokens<144>(rows) < padded_tokens<136>(rows) ? 144 : 136; }
 
 extern "C" int pi0_cuda_gate_up_gelu_pays(int rows, int k) {
-    if (rows < 256 || rows > 2176 || k < 2048) return 0;
+    if (rows < 256 || k < 2048) return 0;
     const int padded = tokens_a_product(rows) == 144 ? padded_tokens<144>(rows) : padded_tokens<136>(rows);
     return 8 * padded <= 9 * rows; /* at most 1/8 padding */
 }

@@ -24,11 +24,10 @@ int pi0_cuda_gate_up_gelu_fits(int rows, int mlp, int k);
 
 /*
  * Whether the kernel beats cuBLASLt's gate|up and pi0_cuda_gelu_mul at these dims, as measured on an H100
- * (bench/NOTES.md, sessions 29-30): a prefix of one to four samples (256 to 2176 rows), whose k (the LLM's 2048) is
- * long enough to hide the epilogue's stall of the products (the expert's 1024 is not), and whose tokens the kernel's
- * tiles (2 x 136, or 144) cover with at most 1/8 padding: the seed's 532 rows pad to 544, Pi0.5's 572 (a 60-token
- * prompt) to 576, where 300 rows, padded to 408, lost to cuBLASLt. Past ~2200 rows (B = 8 and up) the GPU runs at its
- * power cap, where the kernel measured slower (B = 64 -2.5%). Dims only: it says nothing of the device
+ * (bench/NOTES.md, sessions 29-30): a prefix of at least 256 rows, whose k (the LLM's 2048) is long enough to hide the
+ * epilogue's stall of the products (the expert's 1024 is not), and whose tokens the kernel's tiles (2 x 136, or 144)
+ * cover with at most 1/8 padding: the seed's 532 rows pad to 544, Pi0.5's 572 (a 60-token prompt) to 576, B = 64's
+ * 34048 to 34128, where 300 rows, padded to 408, lost to cuBLASLt. Dims only: it says nothing of the device
  * (pi0_cuda_gate_up_gelu_fits).
  */
 int pi0_cuda_gate_up_gelu_pays(int rows, int k);
