@@ -15,14 +15,14 @@
  * and release each stage to both blocks' producers once their products have read it. One block a multiprocessor walks
  * the work units in turn (persistent), the ring running on from one unit to the next.
  *
- * Tokens that are not a multiple of 272 take wide units too: cuBLASLt's tile turned around, 256 weight rows a block x
- * N tokens, the same products and bytes a stage as a narrow unit (each warpgroup's two products take two 64-row weight
- * tiles against the one token tile, which cluster rank 0 copies into both blocks). The kernel comes in two token
- * widths N, and the host takes the one that pads fewer tokens: N = 136 runs narrow units (2 x 136 tokens) and one wide
- * unit for a last tile of 136 or fewer; N = 144 runs wide units only, so Pi0.5's 512 + 60 tokens are four tiles of 144
- * (576) rather than 2 x 272 + 136 (680). A narrow unit there would load a whole tile's weights for half its products
- * (session 29: 0.6-1 ms of prefix lost); the 136 kernel's wide unit still padded 19% and lost 7 us a layer to cuBLASLt;
- * the 144 kernel wins 8 (bench/NOTES.md, session 30).
+ * That is a narrow unit. A wide unit is cuBLASLt's tile turned around, 256 weight rows a block x N tokens, the same
+ * products and bytes a stage (each warpgroup's two products take two 64-row weight tiles against the one token tile,
+ * which cluster rank 0 copies into both blocks). The kernel comes in two token widths N, and the host takes the one
+ * whose tiles pad fewer tokens: N = 136 runs narrow units (2 x 136 tokens) and one wide unit for a last tile of 136 or
+ * fewer; N = 144 runs wide units only, so Pi0.5's 512 + 60 tokens are four tiles of 144 (576) rather than 2 x 272 + 136
+ * (680). A narrow unit there would load a whole tile's weights for half its products (session 29: 0.6-1 ms of prefix
+ * lost); the 136 kernel's wide unit still padded 19% and lost 7 us a layer to cuBLASLt; the 144 kernel wins 8
+ * (bench/NOTES.md, session 30).
  *
  * Epilogue: in wgmma's accumulator layout thread (g = lane / 4) holds rows g and g + 8 of its warp's 16, so gate_j
  * (row 2j) and up_j (row 2j + 1) sit in lanes 4 apart; one shuffle gives each thread both halves of one pair per
@@ -95,7 +95,7 @@ template <int N>
 
 /* The staging tile's real tokens out to (tok0.., its 64 columns) of out, 16 bytes a thread: staging column j (a
  * product's pairs j % 32 of warpgroup j / 32) is output column col0 + j % 32 + (j / 32) * wg_stride, so a token's 64
- * outputs are one 128-byte line (a full unit: wg_stride 32) or two 64-byte halves (a short unit: 64). */
+ * outputs are one 128-byte line (a narrow unit: wg_stride 32) or two 64-byte halves (a wide unit: 64). */
 template <int N>
 [[maybe_unused]] __device__ __forceinline__ void copy_out(uint32_t staging, __nv_bfloat16 *out, int rows, int mlp,
                                                           int tok0, int col0, int wg_stride) {
