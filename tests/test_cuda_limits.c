@@ -109,7 +109,7 @@ TEST(skinny_block_choice_is_exact) {
 }
 
 /* Where the prefix's gate|up takes the fused kernel (gate_up.h): the shapes it was measured faster at, and not the
- * ones it was measured slower at (bench/NOTES.md, session 29). */
+ * ones it was measured slower at (bench/NOTES.md, sessions 29-30). */
 TEST(gate_up_kernel_where_it_pays) {
     static const int faster[] = {532, 788, 1064, 2128, 256, 572, 560, 1144, 4256, 8512, 34048}, slower[] = {300, 255};
     for (int i = 0; i < 11; i++) CHECK(pi0_cuda_gate_up_gelu_pays(faster[i], 2048), "%d rows: measured faster", faster[i]);

@@ -46,7 +46,7 @@ constexpr int kWBytes = kTileW * kBK * 2; /* 16 KB */
 constexpr int kStageBytes = 50 * 1024;    /* a narrow unit's 128 weight rows and 2 x 136 tokens, or a wide unit's 256
                                            * and 136 or 144 */
 constexpr int kThreads = 384;
-[[maybe_unused]] constexpr int kConsumers = 256;         /* warpgroups 1 and 2 */
+[[maybe_unused]] constexpr int kConsumers = 256; /* warpgroups 1 and 2 */
 
 /* N: tokens a product (wgmma's n), 136 or 144. The 136 kernel runs narrow units (2 x 136 tokens a tile) and a wide one
  * for a last tile of 136 or fewer; the 144 kernel runs wide units only (its narrow stage would not fit). */
@@ -320,9 +320,8 @@ bool matrix_map(CUtensorMap *map, const void *base, int rows, int cols, int box_
 static int tokens_a_product(int rows) { return padded_tokens<144>(rows) < padded_tokens<136>(rows) ? 144 : 136; }
 
 extern "C" int pi0_cuda_gate_up_gelu_pays(int rows, int k) {
-    if (rows < 256 || k < 2048) return 0;
-    const int padded = tokens_a_product(rows) == 144 ? padded_tokens<144>(rows) : padded_tokens<136>(rows);
-    return 8 * padded <= 9 * rows; /* at most 1/8 padding */
+    const int p136 = padded_tokens<136>(rows), p144 = padded_tokens<144>(rows); /* the kernel takes the fewer */
+    return rows >= 256 && k >= 2048 && 8 * (p144 < p136 ? p144 : p136) <= 9 * rows; /* at most 1/8 padding */
 }
 
 extern "C" int pi0_cuda_gate_up_gelu_fits(int rows, int mlp, int k) {
