@@ -112,8 +112,10 @@ TEST(skinny_block_choice_is_exact) {
  * ones it was measured slower at (bench/NOTES.md, sessions 29-30). */
 TEST(gate_up_kernel_where_it_pays) {
     static const int faster[] = {532, 788, 1064, 2128, 256, 572, 560, 1144, 4256, 8512, 34048}, slower[] = {300, 255};
-    for (int i = 0; i < 11; i++) CHECK(pi0_cuda_gate_up_gelu_pays(faster[i], 2048), "%d rows: measured faster", faster[i]);
-    for (int i = 0; i < 2; i++) CHECK(!pi0_cuda_gate_up_gelu_pays(slower[i], 2048), "%d rows: measured slower", slower[i]);
+    for (size_t i = 0; i < sizeof faster / sizeof *faster; i++)
+        CHECK(pi0_cuda_gate_up_gelu_pays(faster[i], 2048), "%d rows: measured faster", faster[i]);
+    for (size_t i = 0; i < sizeof slower / sizeof *slower; i++)
+        CHECK(!pi0_cuda_gate_up_gelu_pays(slower[i], 2048), "%d rows: measured slower", slower[i]);
     CHECK(!pi0_cuda_gate_up_gelu_pays(704, 1024), "the expert's k (B = 64's denoise): measured slower");
 }
 #endif
