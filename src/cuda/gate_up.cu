@@ -27,7 +27,9 @@
  * Epilogue: in wgmma's accumulator layout thread (g = lane / 4) holds rows g and g + 8 of its warp's 16, so gate_j
  * (row 2j) and up_j (row 2j + 1) sit in lanes 4 apart; one shuffle gives each thread both halves of one pair per
  * column. Gate and up are rounded to bf16 before gelu x up, as cuBLASLt's bf16 output and pi0_cuda_gelu_mul do, so the
- * two paths differ in the products' summation order and the GELU's formula (gelu_tanh_fast), ~4e-5 relative.
+ * two paths differ in the products' summation order and the GELU's formula (gelu_tanh_fast), ~4e-5 relative. Each
+ * product's outputs leave through a staging tile by one tensor copy (whole 128-byte lines; the tokens past `rows`
+ * clipped by the copy), the next product's GELU running while the copy reads the tile.
  */
 #include "cuda/gate_up.h"
 
@@ -58,56 +60,52 @@ constexpr int smem_bytes() {
     return kStages * kStageBytes + N * 128 + 1024; /* + the epilogue's staging (N tokens x 64 outputs), the alignment */
 }
 
-/* gelu_tanh(x) = x (1 + tanh(u)) / 2 = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3): the fast exponential and
- * division (relative error ~1e-6, far under the bf16 rounding that follows) rather than tanhf, whose branches made the
- * epilogue several times longer. x -> -inf: e^(-2u) -> inf and the quotient -> -0; x -> inf: e^(-2u) -> 0. */
+/* gelu_tanh(x) = x (1 + tanh(u)) / 2 = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3), with the hardware's
+ * approximate base-2 exponential and reciprocal (relative error ~2^-22 each, far under the bf16 rounding that follows):
+ * two special-function instructions and four others an output, where tanhf's branches made the epilogue several times
+ * longer and exp2f's and __fdividef's range fixes added three more. x -> -inf: the exponential -> inf, its reciprocal
+ * -> 0 and the result -> -0; x -> inf: the exponential -> 0 and the result -> x. */
 [[maybe_unused]] __device__ __forceinline__ float gelu_tanh_fast(float x) {
-    const float two_u_log2e = 2.0f * 0.7978845608028654f * 1.4426950408889634f * (x + 0.044715f * x * x * x);
-    return __fdividef(x, 1.0f + exp2f(-two_u_log2e));
+    constexpr float c = -2.0f * 0.7978845608028654f * 1.4426950408889634f; /* -2 u log2(e) = c x + 0.044715 c x^3 */
+    float e, r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(x * (c + 0.044715f * c * x * x)));
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(1.0f + e));
+    return x * r;
 }
 
 /*
- * One product's 64 x N accumulators (weight rows in gate|up pairs x tokens) as gelu(gate) x up into the staging
- * tile, token-major: row t holds the block's 64 outputs for token t (128 bytes), its 16-byte chunks swizzled by t % 8
- * so that the four tokens a store instruction writes fall in different banks. Pairing: thread (g = lane / 4) holds rows
- * g and g + 8 of its warp's 16; even g computes pair g / 2 of the warp's 8 from its row g (gate) and its partner's
- * (up), odd g pair 4 + g / 2 from its partner's row g + 8 (gate) and its own (up); gate and up are rounded to bf16
- * first, as the GEMM's output would be, and travel as one packed pair per column pair.
+ * One product's 64 x N accumulators (weight rows in gate|up pairs x tokens) as gelu(gate) x up, one packed bf16 pair
+ * (tokens t and t + 1) a column tile. Pairing: thread (g = lane / 4) holds rows g and g + 8 of its warp's 16; even g
+ * computes pair g / 2 of the warp's 8 from its row g (gate) and its partner's (up), odd g pair 4 + g / 2 from its
+ * partner's row g + 8 (gate) and its own (up); gate and up are rounded to bf16 first, as the GEMM's output would be,
+ * and travel as one packed pair per column pair.
  */
 template <int N>
-[[maybe_unused]] __device__ __forceinline__ void stage_gelu_up(const float (&acc)[N / 8][4], uint32_t staging, int pair0) {
-    const int lane = threadIdx.x % 32, g = lane / 4, odd = g & 1, j = pair0 + (odd ? 4 + g / 2 : g / 2);
+[[maybe_unused]] __device__ __forceinline__ void gelu_up(const float (&acc)[N / 8][4], uint32_t (&out)[N / 8]) {
+    const int odd = (threadIdx.x % 32 / 4) & 1;
 #pragma unroll
     for (int n = 0; n < N / 8; n++) {
         const uint32_t row_g = pack_bf16(acc[n][0], acc[n][1]), row_g8 = pack_bf16(acc[n][2], acc[n][3]);
         const uint32_t other = __shfl_xor_sync(0xffffffffu, odd ? row_g : row_g8, 4);
         const uint32_t gate = odd ? other : row_g, up = odd ? row_g8 : other;
-        const int t = n * 8 + (lane % 4) * 2;
-        const uint16_t lo = __bfloat16_as_ushort(__float2bfloat16(gelu_tanh_fast(bf16_lo(gate)) * bf16_lo(up)));
-        const uint16_t hi = __bfloat16_as_ushort(__float2bfloat16(gelu_tanh_fast(bf16_hi(gate)) * bf16_hi(up)));
-        asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(staging + t * 128 + (((j / 8) ^ (t % 8)) * 16) + (j % 8) * 2),
-                     "h"(lo));
-        asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(staging + (t + 1) * 128 + (((j / 8) ^ ((t + 1) % 8)) * 16) +
-                                                       (j % 8) * 2),
-                     "h"(hi));
+        out[n] = pack_bf16(gelu_tanh_fast(bf16_lo(gate)) * bf16_lo(up), gelu_tanh_fast(bf16_hi(gate)) * bf16_hi(up));
     }
 }
 
-/* The staging tile's real tokens out to (tok0.., its 64 columns) of out, 16 bytes a thread: staging column j (a
- * product's pairs j % 32 of warpgroup j / 32) is output column col0 + j % 32 + (j / 32) * wg_stride, so a token's 64
- * outputs are one 128-byte line (a narrow unit: wg_stride 32) or two 64-byte halves (a wide unit: 64). */
+/* gelu_up's outputs into the staging tile: token-major, row t the 64 outputs of token t (128 bytes) with its 16-byte
+ * chunks swizzled by t % 8, which is both what the tensor copy's 128-byte swizzle reads and what puts the four tokens a
+ * store instruction writes in different banks. pair0: the thread's warp's first column of the 64. */
 template <int N>
-[[maybe_unused]] __device__ __forceinline__ void copy_out(uint32_t staging, __nv_bfloat16 *out, int rows, int mlp,
-                                                          int tok0, int col0, int wg_stride) {
-    const int count = (rows - tok0 < N ? rows - tok0 : N) * 8;
-    for (int i = (int)threadIdx.x - 128; i < count; i += kConsumers) {
-        const int t = i / 8, chunk = i % 8;
-        uint4 v;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(staging + t * 128 + ((chunk ^ (t % 8)) * 16)));
-        const int col = col0 + (chunk % 4) * 8 + (chunk / 4) * wg_stride;
-        *reinterpret_cast<uint4 *>(out + (size_t)(tok0 + t) * mlp + col) = v;
+[[maybe_unused]] __device__ __forceinline__ void stage_outputs(const uint32_t (&v)[N / 8], uint32_t staging, int pair0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, j = pair0 + (g & 1 ? 4 + g / 2 : g / 2);
+#pragma unroll
+    for (int n = 0; n < N / 8; n++) {
+        const int t = n * 8 + (lane % 4) * 2; /* t % 8 and (t + 1) % 8 are the lane's, whatever n */
+        asm volatile("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %0;\n"
+                     "st.shared.b16 [%1], lo;\nst.shared.b16 [%2], hi;\n}\n" ::"r"(v[n]),
+                     "r"(staging + t * 128 + (((j / 8) ^ (t % 8)) * 16) + (j % 8) * 2),
+                     "r"(staging + (t + 1) * 128 + (((j / 8) ^ ((t + 1) % 8)) * 16) + (j % 8) * 2)
+                     : "memory");
     }
 }
 
@@ -162,13 +160,14 @@ template <int N>
 
 /* Where a unit's operands sit in a stage: a narrow unit's 128 weight rows, then its 2N tokens; a wide unit's 256 weight
  * rows, then its N tokens. Warpgroup c's two products take (a_lo, b_lo) and (a_hi, b_hi): a narrow unit its 64 weight
- * rows against both token halves, a wide unit its two 64-row weight tiles against the one token tile. */
+ * rows against both token halves, a wide unit weight rows 64 c and 128 + 64 c against the one token tile, so that the
+ * two warpgroups' lo products are the unit's first 64 outputs and their hi products its next 64. */
 struct StageOperands {
     int a_lo, a_hi, b_lo, b_hi; /* byte offsets in the stage */
 };
 template <int N>
 [[maybe_unused]] __device__ __forceinline__ StageOperands stage_operands(bool wide, int c) {
-    if (wide) return {c * 2 * 64 * 128, (c * 2 + 1) * 64 * 128, 2 * kWBytes, 2 * kWBytes};
+    if (wide) return {c * 64 * 128, (c + 2) * 64 * 128, 2 * kWBytes, 2 * kWBytes};
     return {c * 64 * 128, c * 64 * 128, kWBytes, kWBytes + N * 128};
 }
 
@@ -216,11 +215,17 @@ template <int N>
  * Persistent: each cluster walks the work units (count_units, unit_origin) cluster_id, cluster_id + num_clusters, ....
  * The ring of stages runs on across units: while the products' warpgroups write one unit's epilogue, the producer is
  * already loading the next unit's first stages.
+ *
+ * The epilogue: each product's outputs (64 columns x N tokens, both warpgroups') go through the staging tile and out
+ * by one tensor copy, which thread kStoreThread issues and waits on (its bulk groups) before the tile is written again;
+ * the hi product's GELU runs while the lo product's copy reads the tile. The copy clips the tokens past `rows`.
  */
+constexpr int kStoreThread = 128; /* the first thread of the products' warpgroups */
+
 template <int N>
 __global__ void __launch_bounds__(kThreads, 1)
     gate_up_gelu_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,
-                        __nv_bfloat16 *out, int rows, int mlp, int k_steps) {
+                        const __grid_constant__ CUtensorMap out_map, int rows, int mlp, int k_steps) {
 #if PI0_WGMMA
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
@@ -283,21 +288,34 @@ __global__ void __launch_bounds__(kThreads, 1)
             wg_pin(lo);
             wg_pin(hi);
             /* staging columns c * 32 + 8 warp ..: this warp's 8 pairs of each product */
-            const int pair0 = o.w_row0 / 2, warp_pairs = c * 32 + warp * 8, wg_stride = o.wide ? 64 : 32;
-            stage_gelu_up<N>(lo, staging, warp_pairs);
-            named_sync(1, kConsumers); /* the staging tile complete */
-            copy_out<N>(staging, out, rows, mlp, o.tok0, pair0, wg_stride);
-            named_sync(1, kConsumers); /* and read */
-            stage_gelu_up<N>(hi, staging, warp_pairs);
+            const int pair0 = o.w_row0 / 2, warp_pairs = c * 32 + warp * 8;
+            uint32_t v[N / 8];
+            gelu_up<N>(lo, v);
+            if (threadIdx.x == kStoreThread) bulk_wait_read<0>(); /* the last unit's copy has read the tile */
             named_sync(1, kConsumers);
-            if (o.wide) copy_out<N>(staging, out, rows, mlp, o.tok0, pair0 + 32, wg_stride);
-            else copy_out<N>(staging, out, rows, mlp, o.tok0 + N, pair0, wg_stride);
+            stage_outputs<N>(v, staging, warp_pairs);
+            fence_proxy_async(); /* the tile's writes before the tensor copy reads it */
             named_sync(1, kConsumers);
+            if (threadIdx.x == kStoreThread) {
+                tma_store_2d(&out_map, pair0, o.tok0, staging);
+                bulk_commit();
+            }
+            gelu_up<N>(hi, v);
+            if (threadIdx.x == kStoreThread) bulk_wait_read<0>();
+            named_sync(1, kConsumers);
+            stage_outputs<N>(v, staging, warp_pairs);
+            fence_proxy_async();
+            named_sync(1, kConsumers);
+            if (threadIdx.x == kStoreThread) { /* a wide unit's next 64 columns, a narrow one's next N tokens */
+                tma_store_2d(&out_map, o.wide ? pair0 + 64 : pair0, o.wide ? o.tok0 : o.tok0 + N, staging);
+                bulk_commit();
+            }
         }
+        if (threadIdx.x == kStoreThread) bulk_wait<0>(); /* the outputs written before the block leaves */
     }
     cluster_barrier(); /* no block leaves while its partner may still arrive on its barriers */
 #else
-    (void)w_map, (void)x_map, (void)out, (void)rows, (void)mlp, (void)k_steps;
+    (void)w_map, (void)x_map, (void)out_map, (void)rows, (void)mlp, (void)k_steps;
     __trap();
 #endif
 }
@@ -340,8 +358,10 @@ static cudaError_t launch(__nv_bfloat16 *out, const pi0_bf16 *x, const pi0_bf16 
             return e;
         if (dev >= 0 && dev < PI0_CUDA_MAX_DEVICES) __atomic_store_n(&configured[dev], 1, __ATOMIC_RELEASE);
     }
-    CUtensorMap w_map, x_map;
-    if (!matrix_map(&w_map, w, 2 * mlp, k, kTileW) || !matrix_map(&x_map, x, rows, k, N)) return cudaErrorInvalidValue;
+    CUtensorMap w_map, x_map, out_map;
+    if (!matrix_map(&w_map, w, 2 * mlp, k, kTileW) || !matrix_map(&x_map, x, rows, k, N) ||
+        !matrix_map(&out_map, out, rows, mlp, N))
+        return cudaErrorInvalidValue;
     const int units = count_units<N>(rows, mlp).total, clusters = units < sms / kCluster ? units : sms / kCluster;
     cudaLaunchAttribute cluster;
     cluster.id = cudaLaunchAttributeClusterDimension;
@@ -349,7 +369,7 @@ static cudaError_t launch(__nv_bfloat16 *out, const pi0_bf16 *x, const pi0_bf16 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)(clusters * kCluster)), cfg.blockDim = dim3(kThreads);
     cfg.dynamicSmemBytes = smem_bytes<N>(), cfg.stream = stream, cfg.attrs = &cluster, cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, gate_up_gelu_kernel<N>, w_map, x_map, out, rows, mlp, (k + kBK - 1) / kBK);
+    return cudaLaunchKernelEx(&cfg, gate_up_gelu_kernel<N>, w_map, x_map, out_map, rows, mlp, (k + kBK - 1) / kBK);
 }
 
 extern "C" cudaError_t pi0_cuda_gate_up_gelu(pi0_bf16 *out, const pi0_bf16 *x, const pi0_bf16 *w, int rows, int mlp,

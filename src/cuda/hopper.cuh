@@ -300,6 +300,41 @@ static __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const
 #endif
 }
 
+/* A 2-D box of `map` at (x, y) written from shared memory at src (the layout a load of the same box would leave there);
+ * elements past the tensor's end are not written. The store joins this thread's open bulk group. */
+static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, int x, int y, uint32_t src) {
+#if PI0_WGMMA
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(map), "r"(x),
+                 "r"(y), "r"(src)
+                 : "memory");
+#else
+    (void)map, (void)x, (void)y, (void)src;
+    __trap();
+#endif
+}
+
+/* Closes this thread's open bulk group (the stores issued since the last commit). */
+static __device__ __forceinline__ void bulk_commit(void) {
+#if PI0_WGMMA
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+/* Waits until at most N of this thread's bulk groups still read their shared memory (bulk_wait_read: its source may
+ * be written again) or are in flight at all (bulk_wait: their global writes done). */
+template <int N>
+static __device__ __forceinline__ void bulk_wait_read(void) {
+#if PI0_WGMMA
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
+template <int N>
+static __device__ __forceinline__ void bulk_wait(void) {
+#if PI0_WGMMA
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 /* ---- host side ------------------------------------------------------------------------------------ */
 
 /* cuTensorMapEncodeTiled, looked up in the driver once (no driver library is linked); NULL where the driver has none. */
