@@ -220,7 +220,7 @@ template <int N>
  * by one tensor copy, which thread kStoreThread issues and waits on (its bulk groups) before the tile is written again;
  * the hi product's GELU runs while the lo product's copy reads the tile. The copy clips the tokens past `rows`.
  */
-constexpr int kStoreThread = 128; /* the first thread of the products' warpgroups */
+[[maybe_unused]] constexpr int kStoreThread = 128; /* the first thread of the products' warpgroups */
 
 template <int N>
 __global__ void __launch_bounds__(kThreads, 1)
