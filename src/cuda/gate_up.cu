@@ -211,6 +211,25 @@ template <int N>
     return it;
 }
 
+[[maybe_unused]] constexpr int kStoreThread = 128; /* the first thread of the products' warpgroups */
+
+/* One product's gelu_up outputs out through the staging tile: once the last copy has read the tile, every products
+ * thread writes its part (stage_outputs), and thread kStoreThread sends the tile to (col0, tok0) of out by one tensor
+ * copy, which clips the tokens past the matrix. */
+template <int N>
+[[maybe_unused]] __device__ __forceinline__ void send_outputs(const uint32_t (&v)[N / 8], uint32_t staging, int pair0,
+                                                              const CUtensorMap *out_map, int col0, int tok0) {
+    if (threadIdx.x == kStoreThread) bulk_wait_read<0>();
+    named_sync(1, kConsumers);
+    stage_outputs<N>(v, staging, pair0);
+    fence_proxy_async(); /* the tile's writes before the tensor copy reads it */
+    named_sync(1, kConsumers);
+    if (threadIdx.x == kStoreThread) {
+        tma_store_2d(out_map, col0, tok0, staging);
+        bulk_commit();
+    }
+}
+
 /*
  * Persistent: each cluster walks the work units (count_units, unit_origin) cluster_id, cluster_id + num_clusters, ....
  * The ring of stages runs on across units: while the products' warpgroups write one unit's epilogue, the producer is
@@ -220,8 +239,6 @@ template <int N>
  * by one tensor copy, which thread kStoreThread issues and waits on (its bulk groups) before the tile is written again;
  * the hi product's GELU runs while the lo product's copy reads the tile. The copy clips the tokens past `rows`.
  */
-[[maybe_unused]] constexpr int kStoreThread = 128; /* the first thread of the products' warpgroups */
-
 template <int N>
 __global__ void __launch_bounds__(kThreads, 1)
     gate_up_gelu_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,
@@ -291,25 +308,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int pair0 = o.w_row0 / 2, warp_pairs = c * 32 + warp * 8;
             uint32_t v[N / 8];
             gelu_up<N>(lo, v);
-            if (threadIdx.x == kStoreThread) bulk_wait_read<0>(); /* the last unit's copy has read the tile */
-            named_sync(1, kConsumers);
-            stage_outputs<N>(v, staging, warp_pairs);
-            fence_proxy_async(); /* the tile's writes before the tensor copy reads it */
-            named_sync(1, kConsumers);
-            if (threadIdx.x == kStoreThread) {
-                tma_store_2d(&out_map, pair0, o.tok0, staging);
-                bulk_commit();
-            }
-            gelu_up<N>(hi, v);
-            if (threadIdx.x == kStoreThread) bulk_wait_read<0>();
-            named_sync(1, kConsumers);
-            stage_outputs<N>(v, staging, warp_pairs);
-            fence_proxy_async();
-            named_sync(1, kConsumers);
-            if (threadIdx.x == kStoreThread) { /* a wide unit's next 64 columns, a narrow one's next N tokens */
-                tma_store_2d(&out_map, o.wide ? pair0 + 64 : pair0, o.wide ? o.tok0 : o.tok0 + N, staging);
-                bulk_commit();
-            }
+            send_outputs<N>(v, staging, warp_pairs, &out_map, pair0, o.tok0);
+            gelu_up<N>(hi, v); /* while the copy reads the tile */
+            /* the hi product: a wide unit's next 64 columns, a narrow one's next N tokens */
+            send_outputs<N>(v, staging, warp_pairs, &out_map, o.wide ? pair0 + 64 : pair0, o.wide ? o.tok0 : o.tok0 + N);
         }
         if (threadIdx.x == kStoreThread) bulk_wait<0>(); /* the outputs written before the block leaves */
     }

@@ -244,7 +244,9 @@ TEST(gate_up_gelu_matches_cpu) {
     gate_up_gelu_case(532, 512, 128);    /* the 136 kernel's narrow tiles, the last with 124 tokens in its second half */
     gate_up_gelu_case(936, 768, 200);    /* three narrow tiles and a wide one of 120 tokens; three super-tiles */
     gate_up_gelu_case(600, 8192, 64);    /* two narrow tiles and a wide one of 56 tokens; ~2-3 units a cluster of one k
-                                          * step each: the staging tile's turns between units */
+                                          * step each, the staging tile reused from unit to unit (its wait for the
+                                          * last copy's read is a race this case does not force: without the wait it
+                                          * still passed, session 32) */
     gate_up_gelu_case(572, 16384, 2048); /* Pi0.5's prefix at a 60-token prompt: the 144 kernel, four tiles */
     gate_up_gelu_case(532, 16384, 2048); /* the seed's prefix */
     CHECK(!pi0_cuda_gate_up_gelu_fits(16, 384, 64) && !pi0_cuda_gate_up_gelu_fits(16, 256, 60),
