@@ -1066,22 +1066,26 @@ cudaError_t launch_vit(const AttnParams &p, int num_segments, int row_tiles, int
 bool aligned16(const void *ptr, int ld) { return ((uintptr_t)ptr % 16) == 0 && ld % 8 == 0; }
 
 /*
- * Few queries against many keys (a small-batch denoise step: 11 tokens x 8 heads = 88 virtual rows
- * over ~540 keys). The tiled kernel above pays for this shape with a long chain per block (a 64-key
- * tile is ~256 dependent mma.sync per warp, ~3.7 us on an H100) and a cluster merge (~5 us). Here
- * the keys are spread thin instead: kDecodeBlocks blocks per (kv head, segment, row group), block b taking
- * the 32-key chunks b, b + kDecodeBlocks, ...; each of its warps holds one 16-row tile of its group's
- * virtual rows (a segment has up to kDecodeRows), so a chunk of K and V is loaded once for the group's rows
- * and a warp's chain per chunk is a quarter of a tile's. Row groups (launch_decode) split a small batch's rows
- * over more blocks: each block then copies less of Q and stores fewer partial rows, the two largest transfers
- * of a block (at 11 tokens: Q 45 KB and partials 90 KB a block for one group, against 32 KB of K and V; a block
- * of 256 threads moves ~40-60 GB/s to or from L2, bench/NOTES.md session 13). Each block writes its
- * unnormalized partial (O, max, sum) per row to a float32 workspace; a second kernel merges the partials of a
- * row in block order (deterministic) and writes bf16. Numerics are the tiled kernel's (log2-domain softmax, P
- * rounded to bf16 for P V).
+ * Few queries against many keys (a small-batch denoise step: 11 tokens x 8 heads = 88 virtual rows over ~540 keys).
+ * The tiled kernel above pays for this shape with a long chain per block (a 64-key tile is ~256 dependent mma.sync
+ * per warp, ~3.7 us on an H100) and a cluster merge (~5 us). Here the keys are spread thin instead: P blocks per
+ * (kv head, segment, row group) (P = kDecodeBlocks, or kDecodeBlocksShort where the caller's key bound allows),
+ * block b taking the 32-key chunks b, b + P, ...; each of its warps holds one 16-row tile of its group's virtual
+ * rows (a segment has up to kDecodeRows), so a chunk of K and V is loaded once for the group's rows and a warp's
+ * chain per chunk is a quarter of a tile's. Row groups (launch_decode) split a small batch's rows over more blocks:
+ * each block then copies less of Q and stores fewer partial rows, the two largest transfers of a block (at 11
+ * tokens: Q 45 KB and partials 90 KB a block for one group, against 32 KB of K and V; a block of 256 threads moves
+ * ~40-60 GB/s to or from L2, bench/NOTES.md session 13). Each block writes its unnormalized partial (O, max, sum)
+ * per row to a float32 workspace; a second kernel merges the partials of a row in block order (deterministic) and
+ * writes bf16. Numerics are the tiled kernel's (log2-domain softmax, P rounded to bf16 for P V).
  */
 constexpr int kDecodeKeys = 32;     /* keys per chunk */
-constexpr int kDecodeBlocks = 32;   /* blocks per (kv head, segment) */
+constexpr int kDecodeBlocks = 32;   /* blocks per (kv head, segment): the workspace's parts */
+/* Fewer blocks where the caller's key bound allows (up to 640 keys: Pi0's seed workload has 543, Pi0.5 at a 60-token
+ * prompt 582): the merge walks 20 parts instead of 32, and 20 blocks a group make room for one 16-row tile a block.
+ * Attention 5.95 -> 5.27 us in the lab, denoise -0.03 to -0.05 ms on an H100 (bench/NOTES.md, session 33); past the
+ * bound (three cameras: 799 keys) blocks would take two chunks, +0.13 ms, so the larger calls keep 32. */
+constexpr int kDecodeBlocksShort = 20;
 constexpr int kDecodeRows = 128;    /* virtual rows per segment at most: 8 warps x 16 */
 constexpr int kDecodeThreads = 256;
 constexpr int kDecodeProblems = 16; /* segments x kv heads at most (beyond, the tiled kernel fills the GPU) */
@@ -1103,7 +1107,7 @@ size_t decode_workspace_bytes(int problems, int head_dim) {
     return (size_t)problems * kDecodeBlocks * kDecodeRows * ((size_t)kernel_head_dim(head_dim) + 2) * sizeof(float);
 }
 
-template <int HD, bool PADDED>
+template <int HD, bool PADDED, int PARTS>
 __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnParams p, float *ws) {
     using C = AttnConfig<HD>;
     const int hd = PADDED ? p.head_dim : HD, chunks = hd / 8; /* as in attention_kernel */
@@ -1113,8 +1117,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     const int G = p.group, rows_total = seg.num_q * G, num_k = seg.num_k;
     const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys;
     const int kvh = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    /* block (b, group): key chunks b, b + kDecodeBlocks, ... for the group's row tiles (decode_tiles of them) */
-    const int b = (int)blockIdx.x % kDecodeBlocks, group = (int)blockIdx.x / kDecodeBlocks;
+    /* block (b, group): key chunks b, b + PARTS, ... for the group's row tiles (decode_tiles of them) */
+    const int b = (int)blockIdx.x % PARTS, group = (int)blockIdx.x / PARTS;
     const int state_vis = seg.state_keys > 0 ? min(seg.state_keys, num_k) : num_k;
     uint16_t *sQ = reinterpret_cast<uint16_t *>(attn_smem);
     uint16_t *sK = sQ + kDecodeRows * C::LDS;
@@ -1165,7 +1169,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
     for (int t = 0; t < C::NTO; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-    for (int chunk = b; chunk < n_chunks; chunk += kDecodeBlocks) {
+    for (int chunk = b; chunk < n_chunks; chunk += PARTS) {
         const int key0 = chunk * kDecodeKeys;
         if (!(preloaded && chunk == b)) load_kv(key0);
         cp_async_wait_all(); /* K, V (and Q, first time) landed for this thread ... */
@@ -1209,7 +1213,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_partial_kernel(AttnPara
  * block order. Each thread issues its loads of the partials at once; every warp computes the weights itself (lane b
  * from part b's max and sum: the same arithmetic, the same values in every warp) and its lanes take them by shuffle,
  * so one round trip to L2 follows the wait and no barrier does. */
-template <int HD, bool PADDED>
+template <int HD, bool PADDED, int PARTS>
 __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnParams p, const float *ws) {
     static_assert(HD <= kDecodeThreads, "one thread per output dim");
     pdl_trigger();
@@ -1218,15 +1222,15 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnPara
     const int t = row / G, hh = row - t * G; /* the row's token and head */
     pdl_wait();
     if (seg.num_q <= 0 || num_k <= 0 || row >= rows_total) return; /* block-uniform */
-    const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys, parts = min(n_chunks, kDecodeBlocks);
+    const int n_chunks = (num_k + kDecodeKeys - 1) / kDecodeKeys, parts = min(n_chunks, PARTS);
     const size_t problem = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
     const float *wo = ws + problem * DecodeConfig<HD>::PART_ROWS * HD;
     const float2 *wml = reinterpret_cast<const float2 *>(ws + (size_t)gridDim.z * gridDim.y * DecodeConfig<HD>::PART_ROWS * HD) +
                         problem * DecodeConfig<HD>::PART_ROWS;
     const int hd = PADDED ? p.head_dim : HD, d = threadIdx.x, lane = threadIdx.x & 31;
-    float part[kDecodeBlocks]; /* this dim of every part's O (finite; 0 past the parts) */
+    float part[PARTS]; /* this dim of every part's O (finite; 0 past the parts) */
 #pragma unroll
-    for (int b = 0; b < kDecodeBlocks; b++) part[b] = b < parts && d < hd ? wo[((size_t)b * kDecodeRows + row) * HD + d] : 0.f;
+    for (int b = 0; b < PARTS; b++) part[b] = b < parts && d < hd ? wo[((size_t)b * kDecodeRows + row) * HD + d] : 0.f;
     /* lane b: part b's (max, sum); a part that saw no key of this row has sum 0 and weighs 0 */
     const float2 ml = lane < parts ? wml[(size_t)lane * kDecodeRows + row] : make_float2(-INFINITY, 0.f);
     float M = ml.y > 0.f ? ml.x : -INFINITY;
@@ -1236,7 +1240,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnPara
     for (int off = 16; off; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
     float acc = 0.f;
 #pragma unroll
-    for (int b = 0; b < kDecodeBlocks; b++) {
+    for (int b = 0; b < PARTS; b++) {
         const float wb = __shfl_sync(0xffffffffu, w, b); /* 0 past the parts */
         if (b < parts) acc += part[b] * wb;              /* in block order, as before: the same sums */
     }
@@ -1245,9 +1249,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnPara
     dst[d] = __bfloat16_as_ushort(__float2bfloat16(acc * (1.f / L))); /* every row sees key 0: some part has sum > 0 */
 }
 
-template <int HD, bool PADDED>
-cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_heads, int max_rows, float *ws,
-                          cudaStream_t stream) {
+template <int HD, bool PADDED, int PARTS>
+cudaError_t launch_decode_parts(const AttnParams &p, int num_segments, int num_kv_heads, int max_rows, float *ws,
+                                cudaStream_t stream) {
     static int multiprocessors[kMaxDevices]; /* per device, once configured (0: not yet) */
     int dev = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&dev);
@@ -1255,28 +1259,40 @@ cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_head
     const bool cached = dev >= 0 && dev < kMaxDevices;
     if (cached) sms = __atomic_load_n(&multiprocessors[dev], __ATOMIC_ACQUIRE);
     if (!sms) {
-        e = cudaFuncSetAttribute(decode_partial_kernel<HD, PADDED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        e = cudaFuncSetAttribute(decode_partial_kernel<HD, PADDED, PARTS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)DecodeConfig<HD>::SMEM);
         if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         if (e != cudaSuccess) return e;
         if (cached) __atomic_store_n(&multiprocessors[dev], sms, __ATOMIC_RELEASE);
     }
-    /* Row groups: as many as keep every partial block (kDecodeBlocks per problem and group, counting all as holding
-     * keys) in one wave at one block a multiprocessor (at head dim 256 a block takes the register file), so that a
-     * small batch's blocks each copy a share of Q and store a share of the partials. */
+    /* Row groups: as many as keep every partial block (PARTS per problem and group, counting all as holding keys) in
+     * one wave at one block a multiprocessor (at head dim 256 a block takes the register file), so that a small
+     * batch's blocks each copy a share of Q and store a share of the partials. */
     const int problems = num_segments * num_kv_heads, row_tiles = (max_rows + 15) / 16;
-    int groups = sms / (problems * kDecodeBlocks);
+    int groups = sms / (problems * PARTS);
     groups = groups < 1 ? 1 : groups > row_tiles ? row_tiles : groups;
     AttnParams q = p;
     q.decode_tiles = (row_tiles + groups - 1) / groups;
     groups = (row_tiles + q.decode_tiles - 1) / q.decode_tiles; /* none empty */
     cudaLaunchAttribute attr;
-    const dim3 partial_grid((unsigned)(kDecodeBlocks * groups), (unsigned)num_kv_heads, (unsigned)num_segments);
+    const dim3 partial_grid((unsigned)(PARTS * groups), (unsigned)num_kv_heads, (unsigned)num_segments);
     cudaLaunchConfig_t cfg = dependent_launch(partial_grid, dim3(kDecodeThreads), DecodeConfig<HD>::SMEM, stream, &attr);
-    if ((e = cudaLaunchKernelEx(&cfg, decode_partial_kernel<HD, PADDED>, q, ws)) != cudaSuccess) return e;
+    if ((e = cudaLaunchKernelEx(&cfg, decode_partial_kernel<HD, PADDED, PARTS>, q, ws)) != cudaSuccess) return e;
     const dim3 combine_grid((unsigned)max_rows, (unsigned)num_kv_heads, (unsigned)num_segments);
     cfg = dependent_launch(combine_grid, dim3(kDecodeThreads), 0, stream, &attr);
-    return cudaLaunchKernelEx(&cfg, decode_combine_kernel<HD, PADDED>, p, (const float *)ws);
+    return cudaLaunchKernelEx(&cfg, decode_combine_kernel<HD, PADDED, PARTS>, p, (const float *)ws);
+}
+
+/* The expert's head dim (256) takes kDecodeBlocksShort blocks when every segment has at most max_num_k keys (0:
+ * unknown); the other dims, which no model runs here at batch 1, keep kDecodeBlocks. The bound only chooses the
+ * split: with more keys than it says, blocks walk more chunks and the result is the same. */
+template <int HD, bool PADDED>
+cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_heads, int max_rows, int max_num_k,
+                          float *ws, cudaStream_t stream) {
+    if constexpr (HD == 256 && !PADDED)
+        if (max_num_k > 0 && max_num_k <= kDecodeBlocksShort * kDecodeKeys)
+            return launch_decode_parts<HD, PADDED, kDecodeBlocksShort>(p, num_segments, num_kv_heads, max_rows, ws, stream);
+    return launch_decode_parts<HD, PADDED, kDecodeBlocks>(p, num_segments, num_kv_heads, max_rows, ws, stream);
 }
 
 
@@ -1304,9 +1320,9 @@ extern "C" size_t pi0_cuda_attention_workspace(int num_segments, int num_kv_head
 
 /* Both entry points: `dependent` launches every kernel as a programmatic dependent (pi0_cuda_attention_ws). */
 static cudaError_t attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k, const pi0_bf16 *v,
-                             int ldkv, const attn_segment *segments, int num_segments, int max_num_q, int num_heads,
-                             int num_kv_heads, int head_dim, float scale, float *workspace, size_t workspace_bytes,
-                             bool dependent, cudaStream_t stream) {
+                             int ldkv, const attn_segment *segments, int num_segments, int max_num_q, int max_num_k,
+                             int num_heads, int num_kv_heads, int head_dim, float scale, float *workspace,
+                             size_t workspace_bytes, bool dependent, cudaStream_t stream) {
     if (head_dim <= 0 || head_dim % 8 || head_dim > PI0_CUDA_ATTN_MAX_HEAD_DIM) return cudaErrorInvalidValue;
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_kv_heads > 65535)
         return cudaErrorInvalidValue;
@@ -1343,12 +1359,12 @@ static cudaError_t attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq,
     if (workspace && use_decode(num_segments, num_kv_heads, rows, head_dim, workspace_bytes)) {
         const int r = (int)rows;
         switch (kernel_head_dim(head_dim)) {
-        case 64: return launch_decode<64, true>(p, num_segments, num_kv_heads, r, workspace, stream);
-        case 72: return launch_decode<72, false>(p, num_segments, num_kv_heads, r, workspace, stream);
-        case 128: return launch_decode<128, true>(p, num_segments, num_kv_heads, r, workspace, stream);
+        case 64: return launch_decode<64, true>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream);
+        case 72: return launch_decode<72, false>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream);
+        case 128: return launch_decode<128, true>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream);
         default:
-            return head_dim == 256 ? launch_decode<256, false>(p, num_segments, num_kv_heads, r, workspace, stream)
-                                   : launch_decode<256, true>(p, num_segments, num_kv_heads, r, workspace, stream);
+            return head_dim == 256 ? launch_decode<256, false>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream)
+                                   : launch_decode<256, true>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream);
         }
     }
     switch (kernel_head_dim(head_dim)) {
@@ -1369,15 +1385,15 @@ extern "C" cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16
                                           const pi0_bf16 *v, int ldkv, const attn_segment *segments,
                                           int num_segments, int max_num_q, int num_heads, int num_kv_heads,
                                           int head_dim, float scale, cudaStream_t stream) {
-    return attention(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, num_heads, num_kv_heads, head_dim,
-                     scale, NULL, 0, false, stream);
+    return attention(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, 0, num_heads, num_kv_heads,
+                     head_dim, scale, NULL, 0, false, stream);
 }
 
 extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
                                              const pi0_bf16 *v, int ldkv, const attn_segment *segments,
-                                             int num_segments, int max_num_q, int num_heads, int num_kv_heads,
-                                             int head_dim, float scale, float *workspace, size_t workspace_bytes,
-                                             cudaStream_t stream) {
-    return attention(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, num_heads, num_kv_heads, head_dim,
-                     scale, workspace, workspace_bytes, true, stream);
+                                             int num_segments, int max_num_q, int max_num_k, int num_heads,
+                                             int num_kv_heads, int head_dim, float scale, float *workspace,
+                                             size_t workspace_bytes, cudaStream_t stream) {
+    return attention(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, max_num_k, num_heads, num_kv_heads,
+                     head_dim, scale, workspace, workspace_bytes, true, stream);
 }

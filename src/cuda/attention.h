@@ -56,8 +56,9 @@ cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ld
  * pi0_cuda_attention_workspace(num_segments, num_kv_heads, head_dim) bytes, no split is forced, and
  * the call is small (num_heads / num_kv_heads * max_num_q <= 128 virtual rows, num_segments *
  * num_kv_heads <= 16: a small-batch denoise step), the keys are spread over 32 blocks per problem
- * (and group of query rows) and the partial results merged by a second kernel (attention.cu, "few
- * queries"); else it runs pi0_cuda_attention's kernels. The workspace must not be used by anything else while
+ * (and group of query rows; 20 at head dim 256 when max_num_k, a bound on every segment's num_k, is at
+ * most 640: 0 means unknown, and any value gives the same result) and the partial results merged by a
+ * second kernel (attention.cu, "few queries"); else it runs pi0_cuda_attention's kernels. The workspace must not be used by anything else while
  * the call runs. Either way its kernels launch as programmatic dependents (sm_90+), so it belongs after a kernel of
  * ours (a cuBLASLt GEMM before it would share its multiprocessors with blocks waiting for it: bench/NOTES.md,
  * session 4), and they read a segment's keys before its last num_q ones while the kernel before them may still
@@ -66,8 +67,8 @@ cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ld
  */
 cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
                                   const pi0_bf16 *v, int ldkv, const attn_segment *segments, int num_segments,
-                                  int max_num_q, int num_heads, int num_kv_heads, int head_dim, float scale,
-                                  float *workspace, size_t workspace_bytes, cudaStream_t stream);
+                                  int max_num_q, int max_num_k, int num_heads, int num_kv_heads, int head_dim,
+                                  float scale, float *workspace, size_t workspace_bytes, cudaStream_t stream);
 
 /* Workspace bytes that let pi0_cuda_attention_ws take the few-queries kernels (0: never for these
  * sizes). */

@@ -50,7 +50,7 @@ static pi0_status skinny(const cuda_state *s, skinny_args a, pi0_error *err) {
 
 /* Rows that run through a Gemma stack, and where their K/V go. */
 typedef struct {
-    int rows, num_segments, max_q;
+    int rows, num_segments, max_q, max_k; /* max_k: a bound on a segment's keys (the attention's split; 0: unknown) */
     const int *positions, *cache_rows;
     const attn_segment *segments;
     float *x;
@@ -108,8 +108,8 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
                                 .cache_rows = r->cache_rows, .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin,
                                 .cache_k = cache_k, .cache_v = cache_v, .plain_launch = r->after_wait}, err));
     CUDA_TRY(pi0_cuda_attention_ws(b->att, q_dim, b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
-                                   r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd), r->attn_ws,
-                                   r->attn_ws_bytes, s->stream));
+                                   r->max_q, r->max_k, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
+                                   r->attn_ws, r->attn_ws_bytes, s->stream));
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = W, .k = q_dim, .x = b->att, .w = l->o_w, .epilogue = SKINNY_RESIDUAL,
                                 .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate}, err));
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->x_bf16, .w = l->gate_up_w,
@@ -176,7 +176,7 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
      * session 20), so it launches plainly. */
     if (r->attn_ws)
         CUDA_TRY(pi0_cuda_attention_ws(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
-                                       r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd,
+                                       r->num_segments, r->max_q, r->max_k, d->num_heads, d->num_kv_heads, hd,
                                        1.0f / sqrtf((float)hd), r->attn_ws, r->attn_ws_bytes, s->stream));
     else
         CUDA_TRY(pi0_cuda_attention(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
@@ -415,7 +415,8 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
     if (g->persistent) {
         TRY(expert_persistent(s, m, g, step, rows, err));
     } else {
-        gemma_rows r = {.rows = B * S, .num_segments = B, .max_q = S, .positions = rows->pos,
+        gemma_rows r = {.rows = B * S, .num_segments = B, .max_q = S, .max_k = g->shape.max_prefix + g->suffix_len,
+                        .positions = rows->pos,
                         .cache_rows = rows->cache_row, .segments = rows->segments, .x = g->suffix,
                         .x_bf16 = g->suffix_bf16, .b = &g->suffix_buffers, .attn_ws = g->suffix_attn_ws,
                         .attn_ws_bytes = g->suffix_attn_ws_bytes, .after_wait = kv_ready != NULL};

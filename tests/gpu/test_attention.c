@@ -98,11 +98,12 @@ typedef struct {
     const attn_segment *segs; /* host; also decide which input rows hold data */
     int nseg;
     int max_num_q; /* 0: the largest num_q */
+    int max_num_k; /* the key bound passed to pi0_cuda_attention_ws; 0: the largest num_k; -1: 0 (unknown) */
 } attn_case;
 
 typedef struct {
     attn_case c;
-    int ldq, ldkv, ldo, max_num_q;
+    int ldq, ldkv, ldo, max_num_q, max_num_k;
     size_t q_off, k_off, v_off, in_total, o_off, o_total;
     uint16_t *in_bf;     /* host bf16 inputs */
     float *in_f, *in_abs; /* the same as float, and its absolute values */
@@ -132,15 +133,17 @@ static void fixture_free(fixture *f) {
 static int fixture_init(fixture *f, const attn_case *c) {
     memset(f, 0, sizeof *f);
     f->c = *c;
-    int q_rows = 0, kv_rows = 0, out_rows = 0, mq = 0;
+    int q_rows = 0, kv_rows = 0, out_rows = 0, mq = 0, mk = 0;
     for (int s = 0; s < c->nseg; s++) {
         const attn_segment *g = &c->segs[s];
         if (g->q_row + g->num_q > q_rows) q_rows = g->q_row + g->num_q;
         if (g->k_row + g->num_k > kv_rows) kv_rows = g->k_row + g->num_k;
         if (g->num_q > mq) mq = g->num_q;
+        if (g->num_k > mk) mk = g->num_k;
     }
     out_rows = q_rows + 2; /* two rows past the last segment must stay untouched */
     f->max_num_q = c->max_num_q > 0 ? c->max_num_q : mq;
+    f->max_num_k = c->max_num_k > 0 ? c->max_num_k : c->max_num_k < 0 ? 0 : mk;
     const size_t mis = (size_t)c->misalign;
     if (c->fused) {
         int rows = q_rows > kv_rows ? q_rows : kv_rows;
@@ -215,7 +218,8 @@ static int fixture_init(fixture *f, const attn_case *c) {
 static cudaError_t fixture_call(const fixture *f, int nseg) {
     const attn_case *c = &f->c;
     return pi0_cuda_attention_ws(f->d_out + f->o_off, f->ldo, f->d_in + f->q_off, f->ldq, f->d_in + f->k_off,
-                                 f->d_in + f->v_off, f->ldkv, f->d_segs, nseg, f->max_num_q, c->nh, c->nkv, c->hd,
+                                 f->d_in + f->v_off, f->ldkv, f->d_segs, nseg, f->max_num_q, f->max_num_k, c->nh, c->nkv,
+                                 c->hd,
                                  c->scale, f->d_ws, f->ws_bytes, g_stream);
 }
 
@@ -501,21 +505,25 @@ TEST(test_denoise_like) {
         run_case(&c);
     }
     /* one sample (the seed workload's batch), where the few-queries partials split the rows into groups of 16-row
-     * tiles, the last group partly past the rows. On a 132-SM GPU: 88 virtual rows (3 groups of 2 tiles), 56 (4 of
-     * one tile), 33 (3 of one tile, the last holding 1 row), and 2 kv heads of 64 rows (2 groups of 2 tiles each).
-     * The last case's 2,100 keys make each block of those row groups walk 2-3 chunks (the running max rescaled). */
-    static const int one[][5] = {{8, 1, 256, 11, 532}, {8, 1, 256, 7, 532}, {3, 1, 64, 11, 532}, {8, 2, 256, 16, 532},
-                                 {8, 1, 256, 11, 2100}};
-    for (int oc = 0; oc < 5; oc++) {
+     * tiles, the last group partly past the rows. On a 132-SM GPU: 88 virtual rows (3 groups of 2 tiles; 5 of one
+     * tile where the key bound, at most 640, takes 20 blocks a group), 56 (4 of one tile), 33 (3 of one tile, the last
+     * holding 1 row), and 2 kv heads of 64 rows (2 groups of 2 tiles each). The 2,100 keys make each block of those
+     * row groups walk 2-3 chunks (the running max rescaled); with a key bound of 600 (too low: a hint, not a promise)
+     * 20 blocks a group walk up to 4, and a bound of 0 (unknown) keeps 32 blocks at 543 keys. */
+    static const int one[][6] = {{8, 1, 256, 11, 532, 0}, {8, 1, 256, 7, 532, 0},   {3, 1, 64, 11, 532, 0},
+                                 {8, 2, 256, 16, 532, 0}, {8, 1, 256, 11, 2100, 0}, {8, 1, 256, 11, 2100, 600},
+                                 {8, 1, 256, 11, 532, -1}};
+    for (int oc = 0; oc < (int)(sizeof one / sizeof one[0]); oc++) {
         attn_segment seg = {0, one[oc][3], 3, one[oc][4] + one[oc][3], one[oc][4] + 1};
-        char name[64];
-        snprintf(name, sizeof name, "denoise, one sample, %d/%d x %d, %d tokens, %d keys", one[oc][0], one[oc][1],
-                 one[oc][2], one[oc][3], one[oc][4] + one[oc][3]);
+        char name[96];
+        snprintf(name, sizeof name, "denoise, one sample, %d/%d x %d, %d tokens, %d keys, key bound %d", one[oc][0],
+                 one[oc][1], one[oc][2], one[oc][3], one[oc][4] + one[oc][3], one[oc][5]);
         attn_case c = base_case(name, one[oc][0], one[oc][1], one[oc][2]);
         c.q_amp = 2.0f;
         c.v_shift = 10.0f;
         c.segs = &seg;
         c.nseg = 1;
+        c.max_num_k = one[oc][5];
         run_case(&c);
     }
 }
