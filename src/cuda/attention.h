@@ -53,17 +53,17 @@ cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ld
 
 /*
  * The same with a float32 workspace (device memory, 16-byte aligned): when it holds at least
- * pi0_cuda_attention_workspace(num_segments, num_kv_heads, head_dim) bytes, no split is forced, and
- * the call is small (num_heads / num_kv_heads * max_num_q <= 128 virtual rows, num_segments *
- * num_kv_heads <= 16: a small-batch denoise step), the keys are spread over 32 blocks per problem
- * (and group of query rows; 20 at head dim 256 when max_num_k, a bound on every segment's num_k, is at
- * most 640: 0 means unknown, and any value gives the same result) and the partial results merged by a
- * second kernel (attention.cu, "few queries"); else it runs pi0_cuda_attention's kernels. The workspace must not be used by anything else while
- * the call runs. Either way its kernels launch as programmatic dependents (sm_90+), so it belongs after a kernel of
- * ours (a cuBLASLt GEMM before it would share its multiprocessors with blocks waiting for it: bench/NOTES.md,
- * session 4), and they read a segment's keys before its last num_q ones while the kernel before them may still
- * run: that kernel (and those it depends on) must not write them. A denoise step meets this: the prefix's keys
- * were written before the step, the kernel before writes only the suffix's (the segment's last num_q keys).
+ * pi0_cuda_attention_workspace(num_segments, num_kv_heads, head_dim) bytes, no split is forced, and the call is
+ * small (num_heads / num_kv_heads * max_num_q <= 128 virtual rows, num_segments * num_kv_heads <= 16: a small-batch
+ * denoise step), the keys are spread over 32 blocks per problem (and group of query rows; 20 at head dim 256 when
+ * max_num_k, a bound on every segment's num_k, is at most 640: 0 means unknown, and any value gives the same
+ * result) and the partial results merged by a second kernel (attention.cu, "few queries"); else it runs
+ * pi0_cuda_attention's kernels. The workspace must not be used by anything else while the call runs. Either way its
+ * kernels launch as programmatic dependents (sm_90+), so it belongs after a kernel of ours (a cuBLASLt GEMM before
+ * it would share its multiprocessors with blocks waiting for it: bench/NOTES.md, session 4), and they read a
+ * segment's keys before its last num_q ones while the kernel before them may still run: that kernel (and those it
+ * depends on) must not write them. A denoise step meets this: the prefix's keys were written before the step, the
+ * kernel before writes only the suffix's (the segment's last num_q keys).
  */
 cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
                                   const pi0_bf16 *v, int ldkv, const attn_segment *segments, int num_segments,

@@ -416,8 +416,7 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
         TRY(expert_persistent(s, m, g, step, rows, err));
     } else {
         gemma_rows r = {.rows = B * S, .num_segments = B, .max_q = S, .max_k = g->shape.max_prefix + g->suffix_len,
-                        .positions = rows->pos,
-                        .cache_rows = rows->cache_row, .segments = rows->segments, .x = g->suffix,
+                        .positions = rows->pos, .cache_rows = rows->cache_row, .segments = rows->segments, .x = g->suffix,
                         .x_bf16 = g->suffix_bf16, .b = &g->suffix_buffers, .attn_ws = g->suffix_attn_ws,
                         .attn_ws_bytes = g->suffix_attn_ws_bytes, .after_wait = kv_ready != NULL};
         int down_parts = 0;

@@ -219,8 +219,7 @@ static cudaError_t fixture_call(const fixture *f, int nseg) {
     const attn_case *c = &f->c;
     return pi0_cuda_attention_ws(f->d_out + f->o_off, f->ldo, f->d_in + f->q_off, f->ldq, f->d_in + f->k_off,
                                  f->d_in + f->v_off, f->ldkv, f->d_segs, nseg, f->max_num_q, f->max_num_k, c->nh, c->nkv,
-                                 c->hd,
-                                 c->scale, f->d_ws, f->ws_bytes, g_stream);
+                                 c->hd, c->scale, f->d_ws, f->ws_bytes, g_stream);
 }
 
 /* Poisons the output, launches, waits, copies the output back into `host`. Returns 1 on success. */
@@ -509,15 +508,17 @@ TEST(test_denoise_like) {
      * tile where the key bound, at most 640, takes 20 blocks a group), 56 (4 of one tile), 33 (3 of one tile, the last
      * holding 1 row), and 2 kv heads of 64 rows (2 groups of 2 tiles each). The 2,100 keys make each block of those
      * row groups walk 2-3 chunks (the running max rescaled); with a key bound of 600 (too low: a hint, not a promise)
-     * 20 blocks a group walk up to 4, and a bound of 0 (unknown) keeps 32 blocks at 543 keys. */
+     * 20 blocks a group walk up to 4, and an unknown bound (-1 below: the call gets 0) keeps 32 blocks at 543 keys.
+     * The last column is attn_case.max_num_k (0: the segment's own keys). */
     static const int one[][6] = {{8, 1, 256, 11, 532, 0}, {8, 1, 256, 7, 532, 0},   {3, 1, 64, 11, 532, 0},
                                  {8, 2, 256, 16, 532, 0}, {8, 1, 256, 11, 2100, 0}, {8, 1, 256, 11, 2100, 600},
                                  {8, 1, 256, 11, 532, -1}};
     for (int oc = 0; oc < (int)(sizeof one / sizeof one[0]); oc++) {
         attn_segment seg = {0, one[oc][3], 3, one[oc][4] + one[oc][3], one[oc][4] + 1};
+        const int keys = one[oc][4] + one[oc][3], bound = one[oc][5] ? one[oc][5] : keys;
         char name[96];
-        snprintf(name, sizeof name, "denoise, one sample, %d/%d x %d, %d tokens, %d keys, key bound %d", one[oc][0],
-                 one[oc][1], one[oc][2], one[oc][3], one[oc][4] + one[oc][3], one[oc][5]);
+        snprintf(name, sizeof name, "denoise, one sample, %d/%d x %d, %d tokens, %d keys, key bound %d%s", one[oc][0],
+                 one[oc][1], one[oc][2], one[oc][3], keys, bound < 0 ? 0 : bound, bound < 0 ? " (unknown)" : "");
         attn_case c = base_case(name, one[oc][0], one[oc][1], one[oc][2]);
         c.q_amp = 2.0f;
         c.v_shift = 10.0f;
