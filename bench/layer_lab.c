@@ -113,12 +113,13 @@ static void enqueue(lab *L, op o, int layer) {
     qkv_rope.epilogue = SKINNY_ROPE_QKV, qkv_rope.heads = HEADS, qkv_rope.kv_heads = 1, qkv_rope.head_dim = HEAD_DIM;
     qkv_rope.positions = L->pos, qkv_rope.cache_rows = L->cache_rows, qkv_rope.rope_cos = L->rope_cos;
     qkv_rope.rope_sin = L->rope_sin, qkv_rope.cache_k = L->cache_k, qkv_rope.cache_v = L->cache_v;
+    const int narrow = m <= 16 ? 8 : 0; /* Pi0's o_proj and down, as forward.c runs them (SKINNY_NARROW_WARPS) */
     skinny_args o_proj = {.m = m, .n = WIDTH, .k = HEADS * HEAD_DIM, .x = L->att, .w = w->o_w,
-                          .epilogue = SKINNY_RESIDUAL, .residual = L->x, .residual_bf16 = L->x_bf16};
+                          .epilogue = SKINNY_RESIDUAL, .residual = L->x, .residual_bf16 = L->x_bf16, .max_warps = narrow};
     skinny_args gate_up = {.m = m, .n = 2 * MLP, .k = WIDTH, .x = L->x_bf16, .w = w->gate_up_w, .rms_norm = 1,
                            .eps = 1e-6f, .epilogue = SKINNY_GELU_MUL, .out = L->mlp};
     skinny_args down = {.m = m, .n = WIDTH, .k = MLP, .x = L->mlp, .w = w->down_w, .epilogue = SKINNY_RESIDUAL,
-                        .residual = L->x, .residual_bf16 = L->x_bf16};
+                        .residual = L->x, .residual_bf16 = L->x_bf16, .max_warps = narrow};
     gemm_args lt_qkv = {.m = m, .n = QKV, .k = WIDTH, .x = L->h, .w = w->qkv_w, .out = L->qkv, .alpha = 1};
     /* o_proj and down as the engine runs them here: partial sums in mlp2 (free between gelu x up and gate|up), or whole
      * into the residual stream */

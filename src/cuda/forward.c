@@ -28,6 +28,13 @@
  * 72 and 100 less, and the hint on every step's Linears cost steps 1-9 more than it gave: bench/NOTES.md, sessions
  * 26 and 27). */
 #define BESIDE_CARVEOUT 58
+/* The warps a block of Pi0's skinny o_proj and down takes up to 16 rows (skinny_args.max_warps): 8 warps of 8 chunks
+ * fit on a multiprocessor beside the last blocks of the kernel before (the attention's merge, the 4-warp gate|up), so
+ * their weights start streaming under its tail. Alone each is slower (down 5.09 -> 5.83 us), in the layer they gain
+ * (25.0 -> 24.1 us on an H100, the seed's denoise 4.12 -> 3.99 ms). Not for Pi0.5: its scaled gate|up holds the whole
+ * register file, and there the change cost 0.04-0.12 ms of denoise (bench/NOTES.md, session 34). */
+#define SKINNY_NARROW_WARPS 8
+#define SKINNY_NARROW_MAX_ROWS 16
 #define PREFIX_DOWN_PARTS 2 /* stack_parts */
 #define PREFIX_PARTS_MAX_ROWS 1024
 #define EXPERT_PARTS 4
@@ -101,6 +108,7 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
     int qkv_dim = q_dim + 2 * kv_dim;
     const gemma_buffers *b = r->b;
     const norm_mod none = {0}, *attn = mods ? &mods->attn : &none, *mlp = mods ? &mods->mlp : &none;
+    const int narrow = !mods && r->rows <= SKINNY_NARROW_MAX_ROWS ? SKINNY_NARROW_WARPS : 0;
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->x_bf16, .w = l->qkv_w, .rms_norm = 1,
                                 .eps = NORM_EPS, .in_scale = attn->linear_scale, .col_bias = attn->linear_bias,
                                 .epilogue = SKINNY_ROPE_QKV, .out = b->qkv, .heads = d->num_heads,
@@ -111,13 +119,14 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
                                    r->max_q, r->max_k, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
                                    r->attn_ws, r->attn_ws_bytes, s->stream));
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = W, .k = q_dim, .x = b->att, .w = l->o_w, .epilogue = SKINNY_RESIDUAL,
-                                .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate}, err));
+                                .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate, .max_warps = narrow},
+              err));
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->x_bf16, .w = l->gate_up_w,
                                 .rms_norm = 1, .eps = NORM_EPS, .in_scale = mlp->linear_scale,
                                 .col_bias = mlp->linear_bias, .epilogue = SKINNY_GELU_MUL, .out = b->mlp}, err));
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = W, .k = d->mlp_dim, .x = b->mlp, .w = l->down_w,
                                 .epilogue = SKINNY_RESIDUAL, .residual = r->x, .residual_bf16 = r->x_bf16,
-                                .gate = mlp->gate}, err));
+                                .gate = mlp->gate, .max_warps = narrow}, err));
     return PI0_OK;
 }
 

@@ -344,16 +344,18 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
  * more gets 4-warp blocks (each warp then takes two passes): four of them share an SM, which beat two blocks of 8
  * warps by ~1 us on gate|up (bench/NOTES.md, session 14; NT 4 in 8 warps, its former shape, spilled). Pi0's
  * expert: QKV (2560 x 1024) NT 2, gate|up (8192 x 1024) NT 2 with 4 warps, o_proj (1024 x 2048) NT 1 with 16
- * warps, down (1024 x 4096) NT 1, C 8. Past 16 rows a block takes two row tiles (R 2) and C is 4: with two tiles of
- * x a chunk, C 8 spilled, and two passes of C 4 were faster (down at 22 rows 7.9 -> 7.4 us, session 16). */
+ * warps of C 4, down (1024 x 4096) NT 1 with 16 of C 8; with max_warps 8 (skinny_args), 8 warps of C 8 each (down
+ * in two passes). Past 16 rows a block takes two row tiles (R 2) and C is 4: with two tiles of x a chunk, C 8
+ * spilled, and two passes of C 4 were faster (down at 22 rows 7.9 -> 7.4 us, session 16). */
 struct Shape {
     int warps, nt, chunks, row_tiles;
 };
 
-Shape choose_shape(int m, int n, int k, int rope, int scale) {
+Shape choose_shape(int m, int n, int k, int rope, int scale, int max_warps) {
     Shape s;
+    max_warps = max_warps > 0 && max_warps < kMaxWarps ? max_warps : kMaxWarps;
     s.warps = k / 128;
-    s.warps = s.warps < 1 ? 1 : s.warps > kMaxWarps ? kMaxWarps : s.warps;
+    s.warps = s.warps < 1 ? 1 : s.warps > max_warps ? max_warps : s.warps;
     s.chunks = k > s.warps * 4 * 32 && !scale ? 8 : 4;
     const int tiles = (n + 7) / 8;
     s.nt = 1;
@@ -425,7 +427,7 @@ extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t
     const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,
                             a->out, a->out_f32, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
                             a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
-    const Shape s = choose_shape(a->m, a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL);
+    const Shape s = choose_shape(a->m, a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL, a->max_warps);
     /* C 8 never comes with in_scale (choose_shape), so only C 4 has both variants */
     const Launch l = {a->plain_launch != 0, a->smem_carveout, stream};
     if (s.chunks == 8) return launch_as<1, 8, 1, false>(p, s.warps, l);

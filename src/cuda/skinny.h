@@ -70,6 +70,10 @@ typedef struct {
      * shared memory (a hint to the block scheduler, cudaLaunchAttributePreferredSharedMemoryCarveout); 0: the
      * driver's choice. */
     int smem_carveout;
+    /* > 0: at most this many warps a block (up to 16 otherwise). A 16-warp block takes a multiprocessor's whole
+     * register file, so it becomes resident only once the kernel before has left that SM, and its weight loads wait
+     * with it; an 8-warp block can start beside that kernel's last blocks (forward.c's SKINNY_NARROW_WARPS). */
+    int max_warps;
 } skinny_args;
 
 /* Whether the kernels take these arguments: k a multiple of 8, 16-byte aligned x and w, n even for

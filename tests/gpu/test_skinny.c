@@ -56,7 +56,8 @@ static int poisoned_bf16(const uint16_t *h, size_t n) {
     return 1;
 }
 
-static void run_case(skinny_case c) {
+/* One case with skinny_args.max_warps (0: the kernel's choice). */
+static void run_case_warps(skinny_case c, int max_warps) {
     const int m = c.m, n = c.n, k = c.k, out_cols = c.epilogue == SKINNY_GELU_MUL ? n / 2 : n;
     const size_t out_n = (size_t)m * out_cols;
     float *x = malloc((size_t)m * k * 4), *w = malloc((size_t)n * k * 4), *res = malloc((size_t)m * n * 4);
@@ -93,7 +94,7 @@ static void run_case(skinny_case c) {
     REQUIRE(dx && dw && dout && dres_bf16 && dres, "device allocation");
     skinny_args a = {.m = m, .n = n, .k = k, .x = dx, .w = dw, .rms_norm = c.rms_norm, .eps = 1e-6f, .in_scale = dscale,
                      .col_bias = dbias, .epilogue = c.epilogue, .out = dout, .out_f32 = dout_f32, .residual = dres,
-                     .residual_bf16 = dres_bf16, .gate = dgate};
+                     .residual_bf16 = dres_bf16, .gate = dgate, .max_warps = max_warps};
     float *got[2] = {NULL, NULL};
     uint16_t *bits[2] = {NULL, NULL};
     for (int run = 0; run < 2; run++) { /* twice from the same inputs: bitwise repeatable */
@@ -112,8 +113,8 @@ static void run_case(skinny_case c) {
     }
     const size_t got_n = c.epilogue == SKINNY_RESIDUAL ? (size_t)m * n : out_n;
     double e = rel_error(got[0], ref, got_n), tol = c.epilogue == SKINNY_RESIDUAL ? 1e-5 : 1e-2;
-    CHECK(e <= tol, "m %d n %d k %d epilogue %d norm %d adaptive %d: error %.3g", m, n, k, c.epilogue, c.rms_norm,
-          c.adaptive, e);
+    CHECK(e <= tol, "m %d n %d k %d epilogue %d norm %d adaptive %d max_warps %d: error %.3g", m, n, k, c.epilogue,
+          c.rms_norm, c.adaptive, max_warps, e);
     CHECK(!memcmp(got[0], got[1], got_n * 4) && !memcmp(bits[0], bits[1], got_n * 2),
           "m %d n %d k %d epilogue %d: two runs differ", m, n, k, c.epilogue);
     CHECK(poisoned_bf16(bits[0] + got_n, GUARD), "m %d n %d k %d epilogue %d: wrote past the output", m, n, k, c.epilogue);
@@ -142,12 +143,16 @@ static void run_case(skinny_case c) {
     cudaFree(dscale), cudaFree(dbias), cudaFree(dgate), cudaFree(dout_f32);
 }
 
+static void run_case(skinny_case c) { run_case_warps(c, 0); }
+
 TEST(pi0_expert_shapes) {
     /* one denoise layer at batch 1, horizon 10: 11 rows */
     run_case((skinny_case){11, 2560, 1024, SKINNY_STORE, 1, 0});    /* QKV, input norm folded */
     run_case((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0, 0}); /* o_proj + residual */
     run_case((skinny_case){11, 8192, 1024, SKINNY_GELU_MUL, 1, 0}); /* gate|up, post-attention norm, gelu x up */
     run_case((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0, 0}); /* down + residual */
+    run_case_warps((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0, 0}, 8); /* o_proj and down as Pi0 runs them */
+    run_case_warps((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0, 0}, 8);
     /* a residual through gate|up's block shape (a grid of 512+ blocks: 4 warps of two passes), one and two row tiles */
     run_case((skinny_case){11, 8200, 1024, SKINNY_RESIDUAL, 0, 1});
     run_case((skinny_case){17, 8200, 1024, SKINNY_RESIDUAL, 0, 0});
@@ -183,6 +188,7 @@ TEST(awkward_shapes) {
         run_case((skinny_case){rows[i], 7, 264, SKINNY_RESIDUAL, 0, 0});      /* n < 8 */
         run_case((skinny_case){rows[i], 8200, 1024, SKINNY_GELU_MUL, 1, 0});  /* 4-warp blocks, the last block partial */
         run_case((skinny_case){rows[i], 4106, 1032, SKINNY_GELU_MUL, 0, 0});  /* 8 chunks a pass, k tail */
+        run_case_warps((skinny_case){rows[i], 1000, 4104, SKINNY_RESIDUAL, 0, 1}, 8); /* 8 warps: 3 passes, k tail */
         run_case((skinny_case){rows[i], 1030, 4104, SKINNY_RESIDUAL, 1, 0});  /* C 8, a second pass */
         run_case((skinny_case){rows[i], 2056, 2056, SKINNY_STORE, 0, 0});     /* 16 warps, k tail */
     }
