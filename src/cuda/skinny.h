@@ -70,9 +70,9 @@ typedef struct {
      * shared memory (a hint to the block scheduler, cudaLaunchAttributePreferredSharedMemoryCarveout); 0: the
      * driver's choice. */
     int smem_carveout;
-    /* > 0: at most this many warps a block (up to 16 otherwise). A 16-warp block takes a multiprocessor's whole
-     * register file, so it becomes resident only once the kernel before has left that SM, and its weight loads wait
-     * with it; an 8-warp block can start beside that kernel's last blocks (forward.c's SKINNY_NARROW_WARPS). */
+    /* > 0: at most this many warps a block (up to 16 otherwise). A block becomes resident only where the kernel
+     * before has left it registers, and its weight loads wait with it: 16 warps of down's 126 registers take an SM's
+     * whole register file, 8 can start beside that kernel's last blocks (forward.c's SKINNY_NARROW_WARPS). */
     int max_warps;
 } skinny_args;
 
