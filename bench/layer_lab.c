@@ -113,7 +113,7 @@ static void enqueue(lab *L, op o, int layer) {
     qkv_rope.epilogue = SKINNY_ROPE_QKV, qkv_rope.heads = HEADS, qkv_rope.kv_heads = 1, qkv_rope.head_dim = HEAD_DIM;
     qkv_rope.positions = L->pos, qkv_rope.cache_rows = L->cache_rows, qkv_rope.rope_cos = L->rope_cos;
     qkv_rope.rope_sin = L->rope_sin, qkv_rope.cache_k = L->cache_k, qkv_rope.cache_v = L->cache_v;
-    const int narrow = m <= 16 ? 8 : 0; /* Pi0's o_proj and down, as forward.c runs them (SKINNY_NARROW_WARPS) */
+    const int narrow = m <= SKINNY_NARROW_MAX_ROWS ? SKINNY_NARROW_WARPS : 0; /* Pi0's o_proj and down, as forward.c */
     skinny_args o_proj = {.m = m, .n = WIDTH, .k = HEADS * HEAD_DIM, .x = L->att, .w = w->o_w,
                           .epilogue = SKINNY_RESIDUAL, .residual = L->x, .residual_bf16 = L->x_bf16, .max_warps = narrow};
     skinny_args gate_up = {.m = m, .n = 2 * MLP, .k = WIDTH, .x = L->x_bf16, .w = w->gate_up_w, .rms_norm = 1,

@@ -28,13 +28,6 @@
  * 72 and 100 less, and the hint on every step's Linears cost steps 1-9 more than it gave: bench/NOTES.md, sessions
  * 26 and 27). */
 #define BESIDE_CARVEOUT 58
-/* The warps a block of Pi0's skinny o_proj and down takes up to 16 rows (skinny_args.max_warps): 8 warps of 8 chunks
- * fit on a multiprocessor beside the last blocks of the kernel before (the attention's merge, the 4-warp gate|up), so
- * their weights start streaming under its tail. Alone each is slower (down 5.09 -> 5.83 us), in the layer they gain
- * (25.0 -> 24.1 us on an H100, the seed's denoise 4.12 -> 3.99 ms). Not for Pi0.5, where it cost 0.04-0.12 ms of
- * denoise in every pair (why is not known: bench/NOTES.md, session 34). */
-#define SKINNY_NARROW_WARPS 8
-#define SKINNY_NARROW_MAX_ROWS 16
 #define PREFIX_DOWN_PARTS 2 /* stack_parts */
 #define PREFIX_PARTS_MAX_ROWS 1024
 #define EXPERT_PARTS 4

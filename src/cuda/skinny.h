@@ -44,6 +44,15 @@ enum { SKINNY_STORE, SKINNY_GELU_MUL, SKINNY_RESIDUAL, SKINNY_ROPE_QKV };
  * Linear through L2 (bench/NOTES.md, session 16). */
 #define SKINNY_MAX_ROWS 32
 
+/* The warps a block of Pi0's o_proj and down takes up to SKINNY_NARROW_MAX_ROWS rows (skinny_args.max_warps;
+ * forward.c, and the lab as forward.c runs them): 8 warps of 8 chunks fit on a multiprocessor beside the last blocks
+ * of the kernel before (the attention's merge, the 4-warp gate|up), so their weights start streaming under its tail.
+ * Alone each is slower (down 5.09 -> 5.83 us), in the layer they gain (25.0 -> 24.1 us on an H100, the seed's denoise
+ * 4.12 -> 3.99 ms). Not for Pi0.5, where it cost 0.04-0.12 ms of denoise in every pair (why is not known:
+ * bench/NOTES.md, session 34). */
+#define SKINNY_NARROW_WARPS 8
+#define SKINNY_NARROW_MAX_ROWS 16
+
 typedef struct {
     int m, n, k;
     const pi0_bf16 *x, *w;
@@ -72,7 +81,7 @@ typedef struct {
     int smem_carveout;
     /* > 0: at most this many warps a block (up to 16 otherwise). A block becomes resident only where the kernel
      * before has left it registers, and its weight loads wait with it: 16 warps of down's 126 registers take an SM's
-     * whole register file, 8 can start beside that kernel's last blocks (forward.c's SKINNY_NARROW_WARPS). */
+     * whole register file, 8 can start beside that kernel's last blocks (SKINNY_NARROW_WARPS). */
     int max_warps;
 } skinny_args;
 

@@ -151,8 +151,8 @@ TEST(pi0_expert_shapes) {
     run_case((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0, 0}); /* o_proj + residual */
     run_case((skinny_case){11, 8192, 1024, SKINNY_GELU_MUL, 1, 0}); /* gate|up, post-attention norm, gelu x up */
     run_case((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0, 0}); /* down + residual */
-    run_case_warps((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0, 0}, 8); /* o_proj and down as Pi0 runs them */
-    run_case_warps((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0, 0}, 8);
+    run_case_warps((skinny_case){11, 1024, 2048, SKINNY_RESIDUAL, 0, 0}, SKINNY_NARROW_WARPS); /* as Pi0 runs them */
+    run_case_warps((skinny_case){11, 1024, 4096, SKINNY_RESIDUAL, 0, 0}, SKINNY_NARROW_WARPS);
     /* a residual through gate|up's block shape (a grid of 512+ blocks: 4 warps of two passes), one and two row tiles */
     run_case((skinny_case){11, 8200, 1024, SKINNY_RESIDUAL, 0, 1});
     run_case((skinny_case){17, 8200, 1024, SKINNY_RESIDUAL, 0, 0});
