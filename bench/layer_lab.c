@@ -145,7 +145,7 @@ static void enqueue(lab *L, op o, int layer) {
         break;
     case OP_ATTENTION:
         CK(pi0_cuda_attention_ws(L->att, HEADS * HEAD_DIM, L->qkv, QKV, L->cache_k, L->cache_v, HEAD_DIM, L->segment, 1,
-                                 m, L->keys, HEADS, 1, HEAD_DIM, 1.0f / 16.0f, L->attn_ws, L->attn_ws_bytes, st));
+                                 m, L->keys, HEADS, 1, HEAD_DIM, 1.0f / 16.0f, L->attn_ws, L->attn_ws_bytes, 0, st));
         break;
     case OP_NORM: CK(pi0_cuda_rmsnorm(L->h, L->x, NULL, m, WIDTH, NULL, 1e-6f, 0, st)); break;
     case OP_GELU: CK(pi0_cuda_gelu_mul(L->mlp, L->mlp2, m, MLP, st)); break;
@@ -173,7 +173,7 @@ static void enqueue(lab *L, op o, int layer) {
     case OP_ATTN_PREFIX:
         CK(pi0_cuda_attention_ws(L->prefix_out, HEADS * HEAD_DIM, L->prefix_qkv, QKV, L->prefix_k, L->prefix_v, HEAD_DIM,
                                  L->prefix_segment, 1, PREFIX, PREFIX, HEADS, 1, HEAD_DIM, 1.0f / 16.0f, L->attn_ws,
-                                 L->attn_ws_bytes, st));
+                                 L->attn_ws_bytes, 0, st));
         break;
     case OP_ATTN_VIT:
         CK(pi0_cuda_attention(L->vit_out, VIT_WIDTH, L->vit_qkv, 3 * VIT_WIDTH, L->vit_qkv + VIT_WIDTH,

@@ -1251,7 +1251,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(AttnPara
 
 template <int HD, bool PADDED, int PARTS>
 cudaError_t launch_decode_parts(const AttnParams &p, int num_segments, int num_kv_heads, int max_rows, float *ws,
-                                cudaStream_t stream) {
+                                int max_sms, cudaStream_t stream) {
     static int multiprocessors[kMaxDevices]; /* per device, once configured (0: not yet) */
     int dev = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&dev);
@@ -1266,10 +1266,10 @@ cudaError_t launch_decode_parts(const AttnParams &p, int num_segments, int num_k
         if (cached) __atomic_store_n(&multiprocessors[dev], sms, __ATOMIC_RELEASE);
     }
     /* Row groups: as many as keep every partial block (PARTS per problem and group, counting all as holding keys) in
-     * one wave at one block a multiprocessor (at head dim 256 a block takes the register file), so that a small
-     * batch's blocks each copy a share of Q and store a share of the partials. */
+     * one wave at one block a multiprocessor (at head dim 256 a block takes the register file) of the max_sms the
+     * caller leaves them, so that a small batch's blocks each copy a share of Q and store a share of the partials. */
     const int problems = num_segments * num_kv_heads, row_tiles = (max_rows + 15) / 16;
-    int groups = sms / (problems * PARTS);
+    int groups = (max_sms > 0 && max_sms < sms ? max_sms : sms) / (problems * PARTS);
     groups = groups < 1 ? 1 : groups > row_tiles ? row_tiles : groups;
     AttnParams q = p;
     q.decode_tiles = (row_tiles + groups - 1) / groups;
@@ -1288,11 +1288,12 @@ cudaError_t launch_decode_parts(const AttnParams &p, int num_segments, int num_k
  * split: with more keys than it says, blocks walk more chunks and the result is the same. */
 template <int HD, bool PADDED>
 cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_heads, int max_rows, int max_num_k,
-                          float *ws, cudaStream_t stream) {
+                          float *ws, int max_sms, cudaStream_t stream) {
     if constexpr (HD == 256 && !PADDED)
         if (max_num_k > 0 && max_num_k <= kDecodeBlocksShort * kDecodeKeys)
-            return launch_decode_parts<HD, PADDED, kDecodeBlocksShort>(p, num_segments, num_kv_heads, max_rows, ws, stream);
-    return launch_decode_parts<HD, PADDED, kDecodeBlocks>(p, num_segments, num_kv_heads, max_rows, ws, stream);
+            return launch_decode_parts<HD, PADDED, kDecodeBlocksShort>(p, num_segments, num_kv_heads, max_rows, ws,
+                                                                       max_sms, stream);
+    return launch_decode_parts<HD, PADDED, kDecodeBlocks>(p, num_segments, num_kv_heads, max_rows, ws, max_sms, stream);
 }
 
 
@@ -1322,7 +1323,7 @@ extern "C" size_t pi0_cuda_attention_workspace(int num_segments, int num_kv_head
 static cudaError_t attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k, const pi0_bf16 *v,
                              int ldkv, const attn_segment *segments, int num_segments, int max_num_q, int max_num_k,
                              int num_heads, int num_kv_heads, int head_dim, float scale, float *workspace,
-                             size_t workspace_bytes, bool dependent, cudaStream_t stream) {
+                             size_t workspace_bytes, int max_sms, bool dependent, cudaStream_t stream) {
     if (head_dim <= 0 || head_dim % 8 || head_dim > PI0_CUDA_ATTN_MAX_HEAD_DIM) return cudaErrorInvalidValue;
     if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_kv_heads > 65535)
         return cudaErrorInvalidValue;
@@ -1359,12 +1360,13 @@ static cudaError_t attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq,
     if (workspace && use_decode(num_segments, num_kv_heads, rows, head_dim, workspace_bytes)) {
         const int r = (int)rows;
         switch (kernel_head_dim(head_dim)) {
-        case 64: return launch_decode<64, true>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream);
-        case 72: return launch_decode<72, false>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream);
-        case 128: return launch_decode<128, true>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream);
+        case 64: return launch_decode<64, true>(p, num_segments, num_kv_heads, r, max_num_k, workspace, max_sms, stream);
+        case 72: return launch_decode<72, false>(p, num_segments, num_kv_heads, r, max_num_k, workspace, max_sms, stream);
+        case 128: return launch_decode<128, true>(p, num_segments, num_kv_heads, r, max_num_k, workspace, max_sms, stream);
         default:
-            return head_dim == 256 ? launch_decode<256, false>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream)
-                                   : launch_decode<256, true>(p, num_segments, num_kv_heads, r, max_num_k, workspace, stream);
+            return head_dim == 256
+                       ? launch_decode<256, false>(p, num_segments, num_kv_heads, r, max_num_k, workspace, max_sms, stream)
+                       : launch_decode<256, true>(p, num_segments, num_kv_heads, r, max_num_k, workspace, max_sms, stream);
         }
     }
     switch (kernel_head_dim(head_dim)) {
@@ -1386,14 +1388,14 @@ extern "C" cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16
                                           int num_segments, int max_num_q, int num_heads, int num_kv_heads,
                                           int head_dim, float scale, cudaStream_t stream) {
     return attention(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, 0, num_heads, num_kv_heads,
-                     head_dim, scale, NULL, 0, false, stream);
+                     head_dim, scale, NULL, 0, 0, false, stream);
 }
 
 extern "C" cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
                                              const pi0_bf16 *v, int ldkv, const attn_segment *segments,
                                              int num_segments, int max_num_q, int max_num_k, int num_heads,
                                              int num_kv_heads, int head_dim, float scale, float *workspace,
-                                             size_t workspace_bytes, cudaStream_t stream) {
+                                             size_t workspace_bytes, int max_sms, cudaStream_t stream) {
     return attention(out, ldo, q, ldq, k, v, ldkv, segments, num_segments, max_num_q, max_num_k, num_heads, num_kv_heads,
-                     head_dim, scale, workspace, workspace_bytes, true, stream);
+                     head_dim, scale, workspace, workspace_bytes, max_sms, true, stream);
 }

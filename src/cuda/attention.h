@@ -63,12 +63,16 @@ cudaError_t pi0_cuda_attention(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ld
  * it would share its multiprocessors with blocks waiting for it: bench/NOTES.md, session 4), and they read a
  * segment's keys before its last num_q ones while the kernel before them may still run: that kernel (and those it
  * depends on) must not write them. A denoise step meets this: the prefix's keys were written before the step, the
- * kernel before writes only the suffix's (the segment's last num_q keys).
+ * kernel before writes only the suffix's (the segment's last num_q keys). max_sms is the number of multiprocessors
+ * the few-queries partials may count on (0: the device's): they split a small batch's rows into as many groups as
+ * keep their blocks in one wave there, so a call beside other work passes what that work leaves (forward.c's first
+ * step beside the prefix). Any value gives the same result.
  */
 cudaError_t pi0_cuda_attention_ws(pi0_bf16 *out, int ldo, const pi0_bf16 *q, int ldq, const pi0_bf16 *k,
                                   const pi0_bf16 *v, int ldkv, const attn_segment *segments, int num_segments,
                                   int max_num_q, int max_num_k, int num_heads, int num_kv_heads, int head_dim,
-                                  float scale, float *workspace, size_t workspace_bytes, cudaStream_t stream);
+                                  float scale, float *workspace, size_t workspace_bytes, int max_sms,
+                                  cudaStream_t stream);
 
 /* Workspace bytes that let pi0_cuda_attention_ws take the few-queries kernels (0: never for these
  * sizes). */

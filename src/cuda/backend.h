@@ -122,6 +122,7 @@ typedef struct {
     gpu_weights w;
     gemm_context gemm;
     cudaStream_t stream;
+    int multiprocessors;    /* the device's */
     cudaStream_t side;      /* the first denoise step beside the prefix (forward.c's first_step_beside); NULL: off */
     cudaEvent_t forked, joined, *kv_ready; /* its start, its end, and each LLM layer's K/V in the cache [llm depth] */
     int num_kv_ready;

@@ -28,6 +28,13 @@
  * 72 and 100 less, and the hint on every step's Linears cost steps 1-9 more than it gave: bench/NOTES.md, sessions
  * 26 and 27). */
 #define BESIDE_CARVEOUT 58
+/* Beside the prefix, one sample's first step counts on 1 / BESIDE_ATTENTION_SHARE of the multiprocessors for its
+ * few-queries attention (pi0_cuda_attention_ws's max_sms): the prefix's attention, during which it runs, holds about
+ * the other half (67 blocks of 132 at the seed), and with the whole GPU in mind its partials took a second wave on the
+ * SMs the prefix's next GEMM wanted. The seed's 88 rows then go in 3 row groups of 2 tiles (60 blocks) rather than 6
+ * of 1 (120): prefix 3.71-3.73 -> 3.67-3.69 ms on an H100, three cameras and Pi0.5 -0.01 to -0.04. Not for two samples,
+ * whose prefix attention holds every SM (134 blocks): no gain there (bench/NOTES.md, session 36). */
+#define BESIDE_ATTENTION_SHARE 2
 #define PREFIX_DOWN_PARTS 2 /* stack_parts */
 #define PREFIX_PARTS_MAX_ROWS 1024
 #define EXPERT_PARTS 4
@@ -58,6 +65,7 @@ typedef struct {
     const gemma_buffers *b;
     float *attn_ws;   /* attention workspace (NULL: none, the prefix: see gemma_block) */
     size_t attn_ws_bytes;
+    int attn_sms;     /* the multiprocessors the attention's partials may count on (pi0_cuda_attention_ws; 0: all) */
     cudaEvent_t kv_written; /* recorded once the layer's K/V are in the cache (NULL: none) */
     int after_wait;         /* the block's first kernel follows a wait on another stream: launched plainly */
     int o_parts, down_parts; /* > 1: o_proj / down as that many partial sums, added by the next norm (stack_parts) */
@@ -110,7 +118,7 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
                                 .cache_k = cache_k, .cache_v = cache_v, .plain_launch = r->after_wait}, err));
     CUDA_TRY(pi0_cuda_attention_ws(b->att, q_dim, b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments, r->num_segments,
                                    r->max_q, r->max_k, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
-                                   r->attn_ws, r->attn_ws_bytes, s->stream));
+                                   r->attn_ws, r->attn_ws_bytes, r->attn_sms, s->stream));
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = W, .k = q_dim, .x = b->att, .w = l->o_w, .epilogue = SKINNY_RESIDUAL,
                                 .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate, .max_warps = narrow},
               err));
@@ -179,7 +187,7 @@ static pi0_status gemma_block(cuda_state *s, const gpu_gemma_layer *l, const pi0
     if (r->attn_ws)
         CUDA_TRY(pi0_cuda_attention_ws(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
                                        r->num_segments, r->max_q, r->max_k, d->num_heads, d->num_kv_heads, hd,
-                                       1.0f / sqrtf((float)hd), r->attn_ws, r->attn_ws_bytes, s->stream));
+                                       1.0f / sqrtf((float)hd), r->attn_ws, r->attn_ws_bytes, r->attn_sms, s->stream));
     else
         CUDA_TRY(pi0_cuda_attention(r->b->att, q_dim, r->b->qkv, qkv_dim, cache_k, cache_v, kv_dim, r->segments,
                                     r->num_segments, r->max_q, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
@@ -420,7 +428,8 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
         gemma_rows r = {.rows = B * S, .num_segments = B, .max_q = S, .max_k = g->shape.max_prefix + g->suffix_len,
                         .positions = rows->pos, .cache_rows = rows->cache_row, .segments = rows->segments, .x = g->suffix,
                         .x_bf16 = g->suffix_bf16, .b = &g->suffix_buffers, .attn_ws = g->suffix_attn_ws,
-                        .attn_ws_bytes = g->suffix_attn_ws_bytes, .after_wait = kv_ready != NULL};
+                        .attn_ws_bytes = g->suffix_attn_ws_bytes, .after_wait = kv_ready != NULL,
+                        .attn_sms = kv_ready && B == 1 ? s->multiprocessors / BESIDE_ATTENTION_SHARE : 0};
         int down_parts = 0;
         if (!skinny_fits(s, d, r.rows)) stack_parts(s, d, 1, r.rows, &r.o_parts, &down_parts);
         for (int layer = 0; layer < d->depth; layer++) {

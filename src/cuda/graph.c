@@ -567,7 +567,11 @@ static pi0_status cuda_init(pi0_model *m, pi0_error *err) {
     s->use_gate_up = !(gate_up_env && !strcmp(gate_up_env, "0"));
     const char *max_env = getenv("PI0_CUDA_MAX_GRAPHS");
     s->max_graphs = max_env && atoi(max_env) > 0 ? atoi(max_env) : MAX_GRAPHS;
-    pi0_status st = streams_init(s, m, err);
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (!e) e = cudaDeviceGetAttribute(&s->multiprocessors, cudaDevAttrMultiProcessorCount, device);
+    pi0_status st = e ? pi0_fail(err, PI0_ERR_BACKEND, "cannot query the CUDA device: %s", cudaGetErrorString(e))
+                      : streams_init(s, m, err);
     if (!st) st = gemm_init(&s->gemm, err);
     if (!st && s->side) st = gemm_side(&s->gemm, s->side, err);
     if (!st) st = cuda_weights_upload(s, m, err);

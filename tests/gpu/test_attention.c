@@ -99,6 +99,7 @@ typedef struct {
     int nseg;
     int max_num_q; /* 0: the largest num_q */
     int max_num_k; /* the key bound passed to pi0_cuda_attention_ws; 0: the largest num_k; -1: 0 (unknown) */
+    int max_sms;   /* the multiprocessors passed to pi0_cuda_attention_ws (0: the device's) */
 } attn_case;
 
 typedef struct {
@@ -219,7 +220,7 @@ static cudaError_t fixture_call(const fixture *f, int nseg) {
     const attn_case *c = &f->c;
     return pi0_cuda_attention_ws(f->d_out + f->o_off, f->ldo, f->d_in + f->q_off, f->ldq, f->d_in + f->k_off,
                                  f->d_in + f->v_off, f->ldkv, f->d_segs, nseg, f->max_num_q, f->max_num_k, c->nh, c->nkv,
-                                 c->hd, c->scale, f->d_ws, f->ws_bytes, g_stream);
+                                 c->hd, c->scale, f->d_ws, f->ws_bytes, c->max_sms, g_stream);
 }
 
 /* Poisons the output, launches, waits, copies the output back into `host`. Returns 1 on success. */
@@ -385,6 +386,33 @@ static void run_case(const attn_case *c) {
     fixture_free(&f);
 }
 
+/* The few-queries partials under smaller multiprocessor budgets (pi0_cuda_attention_ws's max_sms: half the device's,
+ * as the first denoise step beside the prefix passes, and 20, one row group): the rows fall into fewer, larger groups,
+ * and every output must keep its bits, since each row still sees the same chunks merged in the same order. */
+static void run_budgets(const attn_case *c) {
+    fixture f;
+    reference r;
+    memset(&r, 0, sizeof r);
+    int device = 0, sms = 0;
+    if (CUDA_OK(cudaGetDevice(&device)) &&
+        CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) && fixture_init(&f, c) &&
+        reference_init(&r, &f, c->segs, c->nseg) && fixture_run(&f, f.gpu_out)) {
+        const int budgets[] = {sms / 2, 20};
+        for (int i = 0; i < 2; i++) {
+            char what[160];
+            snprintf(what, sizeof what, "%s [%d SMs]", c->name, budgets[i]);
+            f.c.max_sms = budgets[i];
+            if (!fixture_run(&f, f.gpu_out2)) break;
+            verify(&f, &r, f.gpu_out2, what);
+            size_t diff = 0;
+            for (size_t j = 0; j < f.o_total; j++) diff += f.gpu_out[j] != f.gpu_out2[j];
+            CHECK(diff == 0, "%s: %zu elements differ from the whole device's budget", what, diff);
+        }
+    }
+    reference_free(&r);
+    fixture_free(&f);
+}
+
 static attn_case base_case(const char *name, int nh, int nkv, int hd) {
     attn_case c;
     memset(&c, 0, sizeof c);
@@ -502,9 +530,10 @@ TEST(test_denoise_like) {
         c.segs = segs;
         c.nseg = 2;
         run_case(&c);
+        run_budgets(&c);
     }
     /* one sample (the seed workload's batch), where the few-queries partials split the rows into groups of 16-row
-     * tiles, the last group partly past the rows. On a 132-SM GPU: 88 virtual rows (3 groups of 2 tiles; 5 of one
+     * tiles, the last group partly past the rows. On a 132-SM GPU: 88 virtual rows (3 groups of 2 tiles; 6 of one
      * tile where the key bound, at most 640, takes 20 blocks a group), 56 (4 of one tile), 33 (3 of one tile, the last
      * holding 1 row), and 2 kv heads of 64 rows (2 groups of 2 tiles each). The 2,100 keys make each block of those
      * row groups walk 2-3 chunks (the running max rescaled); with a key bound of 600 (too low: a hint, not a promise)
@@ -526,6 +555,7 @@ TEST(test_denoise_like) {
         c.nseg = 1;
         c.max_num_k = one[oc][5];
         run_case(&c);
+        run_budgets(&c);
     }
 }
 
