@@ -394,8 +394,8 @@ static void run_budgets(const attn_case *c) {
     reference r;
     memset(&r, 0, sizeof r);
     int device = 0, sms = 0;
-    if (CUDA_OK(cudaGetDevice(&device)) &&
-        CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) && fixture_init(&f, c) &&
+    if (fixture_init(&f, c) && CUDA_OK(cudaGetDevice(&device)) &&
+        CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) &&
         reference_init(&r, &f, c->segs, c->nseg) && fixture_run(&f, f.gpu_out)) {
         const int budgets[] = {sms / 2, 20};
         for (int i = 0; i < 2; i++) {
