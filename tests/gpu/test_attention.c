@@ -358,6 +358,13 @@ static void verify(const fixture *f, const reference *rf, const uint16_t *gpu, c
     CHECK(rel <= 1e-2, "%s: relative error %g", what, rel);
 }
 
+/* Elements in which the fixture's two outputs differ. */
+static size_t outputs_differ(const fixture *f) {
+    size_t diff = 0;
+    for (size_t i = 0; i < f->o_total; i++) diff += f->gpu_out[i] != f->gpu_out2[i];
+    return diff;
+}
+
 /* Key-split settings every case runs under (pi0_cuda_attention_set_split): the automatic choice
  * (which takes the few-queries kernels when the case is small enough: the fixture passes a workspace),
  * no split, and forced splits of 2, 4, 8 and 16 blocks (clamped to what the GPU runs: 1 before sm_90). */
@@ -376,8 +383,7 @@ static void run_case(const attn_case *c) {
             pi0_cuda_attention_set_split(kSplits[si]);
             if (!fixture_run(&f, f.gpu_out) || !fixture_run(&f, f.gpu_out2)) break;
             verify(&f, &r, f.gpu_out, what);
-            size_t diff = 0;
-            for (size_t i = 0; i < f.o_total; i++) diff += f.gpu_out[i] != f.gpu_out2[i];
+            const size_t diff = outputs_differ(&f);
             CHECK(diff == 0, "%s: two identical launches differ in %zu elements", what, diff);
         }
         pi0_cuda_attention_set_split(0);
@@ -404,8 +410,7 @@ static void run_budgets(const attn_case *c) {
             f.c.max_sms = budgets[i];
             if (!fixture_run(&f, f.gpu_out2)) break;
             verify(&f, &r, f.gpu_out2, what);
-            size_t diff = 0;
-            for (size_t j = 0; j < f.o_total; j++) diff += f.gpu_out[j] != f.gpu_out2[j];
+            const size_t diff = outputs_differ(&f);
             CHECK(diff == 0, "%s: %zu elements differ from the whole device's budget", what, diff);
         }
     }
