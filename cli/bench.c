@@ -12,11 +12,13 @@
 static const char *help =
     "usage: pi0 bench [--checkpoint DIR | --model pi0|pi05 | --dims FILE] [--backend auto|cpu|cuda] [--batch B]\n"
     "                 [--cameras 3] [--masked-cameras 1] [--prompt-len 20] [--horizon 10] [--steps 10]\n"
-    "                 [--frame HxW] [--warmup W] [--iters N] [--seed N] [--json]\n"
+    "                 [--frame HxW] [--pageable] [--warmup W] [--iters N] [--seed N] [--json]\n"
     "\n"
     "Times sample_actions on random images, state, prompt and noise. --frame 256x256 gives the cameras as\n"
     "H x W uint8 frames, as a robot sends them, which the engine resizes and scales as openpi does (on the GPU\n"
-    "with the cuda backend): what `pi0 serve` runs. Without it, images of the model's size in [-1, 1].\n"
+    "with the cuda backend): what `pi0 serve` runs. Without it, images of the model's size in [-1, 1], in\n"
+    "memory from pi0_host_alloc (pinned: the GPU reads it as it is), or with --pageable in malloc's (the engine\n"
+    "copies it into pinned memory first).\n"
     "Without --checkpoint the model\n"
     "is built from random weights of the real size of --model (default pi0), or of the dims in FILE (a\n"
     "config.json with a `dims` block as `pi0 init` writes). The default workload is the seed documents': one sample,\n"
@@ -27,11 +29,13 @@ static const char *help =
 typedef struct {
     long long batch, cameras, masked, prompt_len, horizon, steps, warmup, iters, seed;
     int frame_h, frame_w; /* > 0: the cameras as uint8 frames of this size (pi0_batch.frames) */
+    int pageable;         /* the images in malloc's memory rather than pi0_host_alloc's */
 } workload;
 
 /* Random but deterministic inputs of the workload's shape. */
 typedef struct {
-    float **images;
+    float **images;      /* from pi0_host_alloc, or malloc with pageable */
+    int pageable;
     pi0_frame *frames;   /* (B, cameras) with --frame, pointing into frame_pixels */
     uint8_t *frame_pixels;
     uint8_t *image_masks;
@@ -41,7 +45,7 @@ typedef struct {
 } bench_inputs;
 
 static void inputs_free(bench_inputs *in, int cameras) {
-    for (int c = 0; in->images && c < cameras; c++) free(in->images[c]);
+    for (int c = 0; in->images && c < cameras; c++) in->pageable ? free(in->images[c]) : pi0_host_free(in->images[c]);
     free(in->images), free(in->frames), free(in->frame_pixels), free(in->image_masks), free(in->prompt_ids);
     free(in->prompt_mask);
     free(in->state), free(in->noise), free(in->actions);
@@ -51,6 +55,7 @@ static int inputs_make(bench_inputs *in, const workload *w, const pi0_dims *d) {
     size_t B = (size_t)w->batch, image = (size_t)d->image_size * d->image_size * 3, noise = B * w->horizon * d->action_dim;
     uint64_t stream = rng_mix64((uint64_t)w->seed);
     memset(in, 0, sizeof *in);
+    in->pageable = w->pageable;
     in->images = calloc((size_t)w->cameras + 1, sizeof(float *));
     in->image_masks = malloc(B * w->cameras + 1);
     in->prompt_ids = malloc(B * w->prompt_len * sizeof(int32_t) + 1);
@@ -61,7 +66,8 @@ static int inputs_make(bench_inputs *in, const workload *w, const pi0_dims *d) {
     if (!in->images || !in->image_masks || !in->prompt_ids || !in->prompt_mask || !in->state || !in->noise || !in->actions)
         return -1;
     for (int c = 0; c < w->cameras && !w->frame_h; c++) {
-        if (!(in->images[c] = malloc(B * image * sizeof(float)))) return -1;
+        size_t bytes = B * image * sizeof(float);
+        if (!(in->images[c] = w->pageable ? malloc(bytes) : pi0_host_alloc(bytes))) return -1;
         for (size_t i = 0; i < B * image; i++) in->images[c][i] = rng_uniform_pm1(stream + 1 + c, i);
     }
     if (w->frame_h) {
@@ -111,20 +117,21 @@ static int report(const workload *w, const bench_stats *s, pi0_model *model, con
     if (w->frame_h) snprintf(frame, sizeof frame, "%dx%d", w->frame_h, w->frame_w);
     if (json) {
         json_t *o = json_pack(
-            "{s:s,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:s?,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:f,s:{s:f,s:f,s:f},s:f,s:f}", "model",
+            "{s:s,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:s?,s:b,s:{s:f,s:f,s:f,s:f,s:f},s:f,s:f,s:f,s:f,s:{s:f,s:f,s:f},s:f,s:f}", "model",
             pi0_model_kind_name(pi0_model_dims(model)->kind), "backend", pi0_backend_name(pi0_model_backend(model)),
             "batch", w->batch, "cameras", w->cameras, "masked_cameras",
             w->masked, "prompt_len", w->prompt_len, "horizon", w->horizon, "steps", w->steps, "iters", w->iters,
-            "frame", w->frame_h ? frame : NULL,
+            "frame", w->frame_h ? frame : NULL, "pageable", w->pageable && !w->frame_h,
             "latency_ms", "mean", s->mean, "p50", s->p50, "p95", s->p95, "min", s->min, "max", s->max, "hz", hz,
             "samples_per_s", samples_per_s, "peak_host_memory_gb", peak_gb, "peak_gpu_memory_gb", gpu_gb, "stages_ms", "vision", s->vision, "prefix",
             s->prefix, "denoise", s->denoise, "load_s", load->seconds, "host_memory_after_load_gb", load->host_gb);
         return print_json("bench", o, JSON_PRESERVE_ORDER);
     }
-    printf("pi0 bench: %s, backend %s, batch %lld, %lld cameras (%lld masked)%s%s, %lld prompt tokens, horizon %lld, "
+    printf("pi0 bench: %s, backend %s, batch %lld, %lld cameras (%lld masked)%s%s%s, %lld prompt tokens, horizon %lld, "
            "%lld steps, %lld iterations\n",
            pi0_model_kind_name(pi0_model_dims(model)->kind), pi0_backend_name(pi0_model_backend(model)), w->batch, w->cameras,
-           w->masked, *frame ? " as frames of " : "", frame, w->prompt_len, w->horizon, w->steps, w->iters);
+           w->masked, *frame ? " as frames of " : "", frame, w->pageable && !*frame ? " in pageable memory" : "",
+           w->prompt_len, w->horizon, w->steps, w->iters);
     printf("latency ms: mean %.2f  p50 %.2f  p95 %.2f  min %.2f  max %.2f\n", s->mean, s->p50, s->p95, s->min, s->max);
     printf("throughput: %.2f Hz, %.2f samples/s\n", hz, samples_per_s);
     printf("stages ms (mean): vision %.2f  prefix %.2f  denoise %.2f\n", s->vision, s->prefix, s->denoise);
@@ -197,6 +204,7 @@ int cmd_bench(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(help, stdout), EXIT_OK;
         if (!strcmp(argv[i], "--json")) { json = 1; continue; }
+        if (!strcmp(argv[i], "--pageable")) { w.pageable = 1; continue; }
         if ((r = flag_value(argc, argv, &i, "--checkpoint", &checkpoint)) || (r = flag_value(argc, argv, &i, "--dims", &dims_path)) ||
             (r = flag_value(argc, argv, &i, "--backend", &backend_name)) || (r = flag_value(argc, argv, &i, "--model", &model_name)) ||
             (r = flag_value(argc, argv, &i, "--frame", &frame))) {

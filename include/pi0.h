@@ -214,6 +214,16 @@ typedef struct {
 PI0_API pi0_status pi0_sample_actions(pi0_model *model, const pi0_batch *batch, float *actions,
                               pi0_timings *timings, pi0_error *err);
 
+/*
+ * Host memory for a batch's images that the CUDA backend sends to the GPU from where it is, instead of copying it
+ * into a buffer of its own first: page-locked ("pinned") memory of the CUDA driver when a GPU is present, else
+ * malloc's. A caller that writes its float images here saves that copy, ~0.1-0.2 ms a call for two 224 x 224
+ * images (the CUDA backend sends any page-locked memory the same way, e.g. cudaHostAlloc's). Any backend reads it
+ * like other memory. NULL when out of memory; freed only by pi0_host_free.
+ */
+PI0_API void *pi0_host_alloc(size_t bytes);
+PI0_API void pi0_host_free(void *ptr);
+
 #ifdef __cplusplus
 }
 #endif

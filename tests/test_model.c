@@ -767,6 +767,36 @@ TEST(nonfinite_inputs_are_refused) {
     fixture_close(&f);
 }
 
+/* pi0_host_alloc's memory (pinned where the CUDA driver gives it, malloc's here) holds images like any other: the same
+ * actions, to the bit; its edge cases fail cleanly. */
+TEST(host_alloc_images) {
+    fixture f;
+    REQUIRE(fixture_open(&f, "pi0_tiny", NULL) == 0);
+    size_t n = actions_len(&f), bytes = (size_t)f.batch.batch * 224 * 224 * 3 * sizeof(float);
+    float *want = malloc(n * sizeof(float)), *got = malloc(n * sizeof(float)), *images[3];
+    const float *ptrs[3];
+    f.batch.num_steps = 1;
+    pi0_error err = {0};
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, want, NULL, &err) == PI0_OK, "%s", err.message);
+    for (int c = 0; c < 3; c++) {
+        REQUIRE((images[c] = pi0_host_alloc(bytes)) != NULL);
+        CHECK((uintptr_t)images[c] % 16 == 0, "camera %d: %p is not 16-byte aligned", c, (void *)images[c]);
+        memcpy(images[c], f.images[c], bytes);
+        ptrs[c] = images[c];
+    }
+    f.batch.images = ptrs;
+    REQUIRE(pi0_sample_actions(f.model, &f.batch, got, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(!memcmp(want, got, n * sizeof(float)), "pi0_host_alloc's images give other actions");
+    for (int c = 0; c < 3; c++) pi0_host_free(images[c]);
+    CHECK(pi0_host_alloc(SIZE_MAX) == NULL && pi0_host_alloc(SIZE_MAX - 8) == NULL, "an impossible size was allocated");
+    void *empty = pi0_host_alloc(0);
+    CHECK(empty != NULL, "pi0_host_alloc(0) failed");
+    pi0_host_free(empty);
+    pi0_host_free(NULL);
+    free(want), free(got);
+    fixture_close(&f);
+}
+
 /* A batch whose images pass PLAN_HOST_THREADS_BYTES is checked on the OpenMP threads: a bad value anywhere (the last
  * float of an image, inside its last, partial block) is still found, the first in (sample, camera) order is named,
  * and a masked camera's image is not looked at, also in uniform mode, where the plan holds it. */
@@ -963,6 +993,7 @@ int main(int argc, char **argv) {
     RUN(bad_batches_are_rejected);
     RUN(first_nonfinite_finds_every_kind);
     RUN(nonfinite_inputs_are_refused);
+    RUN(host_alloc_images);
     RUN(nonfinite_images_of_a_large_batch_are_refused);
     RUN(frames_equal_preprocessed_images);
     RUN(random_weights_deterministic_and_saveable);

@@ -64,6 +64,8 @@ typedef struct {
     float *images;
     pi0_frame_job *frame_jobs;
     float *state, *x_t;
+    int *image_flags; /* [num_images] just before x_t: non-zero where an image holds a NaN or infinity (im2col sets
+                       * them); the host zeroes them, and they come back with the actions */
     int *prefix_src, *prefix_pos, *prefix_cache_row;
     attn_segment *vit_segments, *prefix_segments;
     suffix_rows first_step, later_steps; /* plan.h's, in device memory (per_sample as in the plan) */
@@ -100,9 +102,10 @@ typedef struct {
     cudaGraphExec_t exec;
     char *device, *host;   /* the workspace and its pinned host mirror (inputs, then actions) */
     size_t inputs_size;
-    size_t images_size;    /* the inputs' first bytes: the images, which each call sends itself (graph.c), not the graph */
+    size_t images_size;    /* the inputs' first bytes: the images, which send_images sends image by image (graph.c) */
+    size_t outputs_size;   /* image_flags to the end of x_t: what comes back to outputs_host */
     graph_inputs in, in_host;
-    float *actions_host;
+    char *outputs_host;    /* after the inputs in the pinned mirror: image_flags, then x_t (the actions) */
     const step_tables *tables;
     /* activations */
     float *images;         /* the cameras as model input: the inputs' images, or the frames resized into it */

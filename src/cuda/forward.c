@@ -215,7 +215,8 @@ static pi0_status vision_forward(cuda_state *s, const pi0_model *m, cuda_graph *
     int patch_dim = 3 * d->patch_size * d->patch_size;
     if (n == 0) return PI0_OK;
     if (g->shape.frames) CUDA_TRY(pi0_cuda_frames_to_images(g->images, g->in.frame_jobs, n, d->image_size, s->stream));
-    CUDA_TRY(pi0_cuda_im2col(g->patches, g->images, n, d->image_size, d->patch_size, s->stream));
+    CUDA_TRY(pi0_cuda_im2col(g->patches, g->images, n, d->image_size, d->patch_size,
+                             g->shape.frames ? NULL : g->in.image_flags, s->stream)); /* frames are bytes: finite */
     TRY(gemm(s, (gemm_args){.m = rows, .n = Dv, .k = patch_dim, .x = g->patches, .w = w->patch_w, .out = g->vit_x,
                             .out_f32 = 1, .f32_inputs = 1, .alpha = 1}, err));
     CUDA_TRY(pi0_cuda_add_bias_pos(g->vit_x, w->patch_b, w->pos_emb, rows, P, Dv, s->stream));
@@ -618,12 +619,8 @@ static cudaError_t record(cudaEvent_t event, cudaStream_t stream) {
 }
 
 pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
-    const pi0_dims *d = &m->dims;
-    size_t actions_bytes = (size_t)g->shape.batch * g->shape.horizon * d->action_dim * sizeof(float);
     int beside = g->first_step_beside = first_step_beside(s, g);
-    CUDA_TRY(cudaMemcpyAsync(g->device + g->images_size, g->host + g->images_size, g->inputs_size - g->images_size,
-                             cudaMemcpyHostToDevice, s->stream)); /* the images are on their way already (graph.c) */
-    CUDA_TRY(record(g->events[0], s->stream));
+    CUDA_TRY(record(g->events[0], s->stream)); /* the inputs are on their way already (graph.c's cuda_sample) */
     TRY(vision_forward(s, m, g, err));
     CUDA_TRY(record(g->events[1], s->stream));
     if (beside) { /* the side stream starts after vision (first_step_beside) */
@@ -636,6 +633,6 @@ pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_er
     else TRY(state_token(s, m, g, err));
     for (int step = beside; step < g->shape.num_steps; step++) TRY(denoise_step(s, m, g, step, NULL, err));
     CUDA_TRY(record(g->events[3], s->stream));
-    CUDA_TRY(cudaMemcpyAsync(g->actions_host, g->in.x_t, actions_bytes, cudaMemcpyDeviceToHost, s->stream));
+    CUDA_TRY(cudaMemcpyAsync(g->outputs_host, g->in.image_flags, g->outputs_size, cudaMemcpyDeviceToHost, s->stream));
     return PI0_OK;
 }

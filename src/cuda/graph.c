@@ -8,10 +8,10 @@
  * the step count (step_tables) is computed once per count. A server that prepares its largest shape
  * first (pi0_policy_warmup) allocates once.
  *
- * A call fills the pinned inputs, sends the images on their way (send_images), replays the graph (whose first
- * node copies the rest of the inputs in and whose last copies the actions out) and waits. The first call of a
- * shape runs the forward pass (forward.c) eagerly, which also warms cuBLASLt and the kernels up, then captures
- * it. PI0_CUDA_GRAPHS=0 in the environment runs every call eagerly (read at each call).
+ * A call fills the pinned inputs, sends them and the images on their way (send_images), replays the graph (whose
+ * last node copies the actions out, with what the device found of NaN or infinity in the images) and waits. The
+ * first call of a shape runs the forward pass (forward.c) eagerly, which also warms cuBLASLt and the kernels up, then
+ * captures it. PI0_CUDA_GRAPHS=0 in the environment runs every call eagerly (read at each call).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -20,7 +20,6 @@
 #include "cuda/attention.h"
 #include "cuda/backend.h"
 #include "util/error.h"
-#include "util/finite.h"
 
 #define ALIGN 256
 
@@ -51,7 +50,11 @@ static void carve_inputs(carver *c, graph_inputs *in, const graph_shape *sh, int
     size_t B = (size_t)sh->batch, T = (size_t)sh->total_prefix, BH = B * sh->horizon;
     if (sh->frames) in->frame_jobs = carve(c, (size_t)sh->num_images * sizeof(pi0_frame_job));
     else in->images = carve(c, (size_t)sh->num_images * d->image_size * d->image_size * 3 * sizeof(float));
-    in->state = carve(c, B * d->action_dim * sizeof(float));
+    /* image_flags in the state's carve, where one sample's leaves room (so that they move nothing else), and just
+     * before x_t: the two come back in one copy (outputs_size) */
+    size_t state = B * d->action_dim * sizeof(float);
+    in->state = carve(c, state + (size_t)sh->num_images * sizeof(int));
+    in->image_flags = (int *)((char *)in->state + state);
     in->x_t = carve(c, BH * d->action_dim * sizeof(float));
     in->prefix_src = carve(c, T * sizeof(int));
     in->prefix_pos = carve(c, T * sizeof(int));
@@ -223,10 +226,11 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
     size_t actions_bytes = (size_t)shape->batch * shape->horizon * d->action_dim * sizeof(float);
     g->inputs_size = inputs.used;
     g->images_size = shape->frames ? 0 : (uintptr_t)g->in.state; /* carved at 0: the offset past the images */
+    g->outputs_size = (uintptr_t)g->in.x_t + actions_bytes - (uintptr_t)g->in.image_flags;
     all.used = inputs.used;
     carve_activations(&all, g, d);
     pi0_status st = tables_for(s, m, shape->num_steps, &g->tables, err);
-    if (!st) st = workspace_reserve(s, shape, all.used, g->inputs_size + actions_bytes, err);
+    if (!st) st = workspace_reserve(s, shape, all.used, g->inputs_size + g->outputs_size, err);
     for (int i = 0; i < 4 && !st; i++)
         if (cudaEventCreate(&g->events[i]) != cudaSuccess) st = pi0_fail(err, PI0_ERR_BACKEND, "cudaEventCreate failed");
     if (st) {
@@ -239,45 +243,61 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
     carve_inputs(&dev_in, &g->in, shape, g->suffix_len, d);
     carve_inputs(&host_in, &g->in_host, shape, g->suffix_len, d);
     carve_activations(&dev_all, g, d);
-    g->actions_host = (float *)(g->host + g->inputs_size);
+    g->outputs_host = g->host + g->inputs_size;
     *out = g;
     return PI0_OK;
 }
 
 /* ---- inputs ---------------------------------------------------------------------------------- */
 
-/* The images into the pinned inputs and on to the device, image by image: each image's copy to the device is queued
- * (in stream order, ahead of the graph) as soon as the host has copied it, so that the host's copies and the DMA
- * overlap, and the graph's first node copies only the rest of the inputs. Each piece of a valid camera's image is
- * checked for NaN and infinity right after its copy, while it is in cache (pi0_sample_actions leaves the images to
- * this pass: checks_images). On the OpenMP threads when the plan says so. Sets *bad when an image has a NaN or
- * infinity; returns an error of the copies to the device (the largest code, if several failed). */
-static cudaError_t send_images(const cuda_state *s, const cuda_graph *g, const pi0_plan *p, size_t image, int *bad) {
+/* Whether `ptr` is page-locked host memory (pi0_host_alloc's, or the caller's own cudaHostAlloc or cudaHostRegister),
+ * which the copy engine reads as it is. */
+static int pinned(const void *ptr) {
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return a.type == cudaMemoryTypeHost;
+}
+
+/* The images on their way to the device, in stream order ahead of the graph: an image in pinned memory straight from
+ * where it is; any other through the pinned inputs, image by image, each image's copy to the device queued as soon
+ * as the host has copied it, so that the host's copies and the DMA overlap. On the OpenMP threads when the plan says
+ * so. NaN and infinity are looked for on the device (im2col, image_flags), not here. Returns an error of the copies
+ * to the device (the largest code, if several failed). */
+static cudaError_t send_images(const cuda_state *s, const cuda_graph *g, const pi0_plan *p, size_t image) {
     int device = 0, worst = (int)cudaGetDevice(&device); /* the workers' CUDA calls go to the caller's device */
-    uint32_t bits = 0;
     int threads = p->num_images < omp_get_max_threads() ? p->num_images : omp_get_max_threads(); /* an image each */
     if (threads < 1) threads = 1;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : bits) reduction(max : worst) num_threads(threads) \
-    if (p->host_threads)
+#pragma omp parallel for schedule(dynamic, 1) reduction(max : worst) num_threads(threads) if (p->host_threads)
     for (int i = 0; i < p->num_images; i++) {
-        float *host = g->in_host.images + (size_t)i * image;
         const float *src = p->images[i];
-        if (!src) memset(host, 0, image * sizeof(float)); /* a masked camera in uniform mode: zeros */
-        for (size_t begin = 0; src && begin < image; begin += FINITE_BLOCK) {
-            size_t count = image - begin < FINITE_BLOCK ? image - begin : FINITE_BLOCK;
-            memcpy(host + begin, src + begin, count * sizeof(float));
-            if (plan_image_read(p, i)) bits |= nonfinite_block_bits(host + begin, count);
+        if (!src || !pinned(src)) {
+            float *host = g->in_host.images + (size_t)i * image;
+            if (src) memcpy(host, src, image * sizeof(float));
+            else memset(host, 0, image * sizeof(float)); /* a masked camera in uniform mode: zeros */
+            src = host;
         }
         int before = device; /* an OpenMP worker's own device, given back after (the threads are the program's too) */
         cudaError_t e = p->host_threads ? cudaGetDevice(&before) : cudaSuccess;
         if (!e && before != device) e = cudaSetDevice(device);
-        if (!e) e = cudaMemcpyAsync(g->in.images + (size_t)i * image, host, image * sizeof(float), cudaMemcpyHostToDevice,
+        if (!e) e = cudaMemcpyAsync(g->in.images + (size_t)i * image, src, image * sizeof(float), cudaMemcpyHostToDevice,
                                     s->stream);
         if (before != device) cudaSetDevice(before);
         if ((int)e > worst) worst = (int)e;
     }
-    *bad = (bits & 0x80000000u) != 0;
     return (cudaError_t)worst;
+}
+
+/* Whether the device found a NaN or infinity in an image the model reads (a masked camera's is computed in uniform
+ * mode but never read, so its flag does not count). */
+static int nonfinite_image(const cuda_graph *g, const pi0_plan *p) {
+    const int *flags = (const int *)g->outputs_host;
+    if (p->has_frames) return 0; /* bytes: always finite */
+    for (int i = 0; i < p->num_images; i++)
+        if (flags[i] && plan_image_read(p, i)) return 1;
+    return 0;
 }
 
 static void copy_suffix_rows(const suffix_rows *to, const suffix_rows *from, const pi0_plan *p) {
@@ -294,6 +314,7 @@ static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan 
     size_t B = (size_t)p->batch;
     if (p->state) memcpy(in->state, p->state, B * d->action_dim * sizeof(float)); /* Pi0.5 has none */
     memcpy(in->x_t, p->noise, B * p->horizon * d->action_dim * sizeof(float));
+    memset(in->image_flags, 0, (size_t)p->num_images * sizeof(int));
     memcpy(in->prefix_src, p->prefix_src, (size_t)p->total_prefix * sizeof(int));
     memcpy(in->prefix_pos, p->prefix_pos, (size_t)p->total_prefix * sizeof(int));
     memcpy(in->prefix_cache_row, p->prefix_cache_row, (size_t)p->total_prefix * sizeof(int));
@@ -465,19 +486,24 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
     TRY(graph_for(s, m, &shape, &g, err));
     cudaGetLastError(); /* a stale error of someone else's call must not be taken for ours */
     fill_inputs(g, m, p);
-    if (p->has_frames) TRY(stage_frames(s, m, g, p, err));
-    else {
-        int bad = 0;
-        cudaError_t e = send_images(s, g, p, (size_t)m->dims.image_size * m->dims.image_size * 3, &bad);
-        if (e || bad) {
-            cudaStreamSynchronize(s->stream); /* the copies read the pinned inputs, which the next call rewrites */
-            cudaGetLastError();
-            if (e) return pi0_fail(err, PI0_ERR_BACKEND, "copying the images to the device: %s", cudaGetErrorString(e));
-            return plan_name_nonfinite_image(p, &m->dims, err);
-        }
+    if (p->has_frames) TRY(stage_frames(s, m, g, p, err)); /* before the inputs' copy: it fills their frame jobs */
+    /* the inputs past the images first: the copy engine is idle while the host copies the images, and the graph
+     * then starts with the vision's first kernel */
+    CUDA_TRY(cudaMemcpyAsync(g->device + g->images_size, g->host + g->images_size, g->inputs_size - g->images_size,
+                             cudaMemcpyHostToDevice, s->stream));
+    cudaError_t sent = p->has_frames ? cudaSuccess : send_images(s, g, p, (size_t)m->dims.image_size * m->dims.image_size * 3);
+    if (sent) {
+        cudaStreamSynchronize(s->stream); /* the copies read the pinned inputs, which the next call rewrites */
+        cudaGetLastError();
+        return pi0_fail(err, PI0_ERR_BACKEND, "copying the images to the device: %s", cudaGetErrorString(sent));
     }
     if (use_graphs && g->exec) {
-        CUDA_TRY(cudaGraphLaunch(g->exec, s->stream));
+        cudaError_t e = cudaGraphLaunch(g->exec, s->stream);
+        if (e) {
+            cudaStreamSynchronize(s->stream); /* the images' copies may read the caller's memory: done before we return */
+            cudaGetLastError();
+            return pi0_fail(err, PI0_ERR_BACKEND, "cudaGraphLaunch: %s", cudaGetErrorString(e));
+        }
     } else {
         pi0_status st = cuda_forward(s, m, g, err);
         if (st) {
@@ -488,7 +514,9 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
     }
     CUDA_TRY(cudaStreamSynchronize(s->stream));
     CUDA_TRY(cudaGetLastError());
-    memcpy(actions, g->actions_host, (size_t)p->batch * p->horizon * m->dims.action_dim * sizeof(float));
+    if (nonfinite_image(g, p)) return plan_name_nonfinite_image(p, &m->dims, err);
+    memcpy(actions, g->outputs_host + ((uintptr_t)g->in.x_t - (uintptr_t)g->in.image_flags),
+           (size_t)p->batch * p->horizon * m->dims.action_dim * sizeof(float));
     if (timings) {
         float vision = 0, prefix = 0, denoise = 0;
         CUDA_TRY(cudaEventElapsedTime(&vision, g->events[0], g->events[1]));
@@ -587,6 +615,19 @@ static uint64_t cuda_device_bytes(const pi0_model *m) {
 static uint64_t cuda_graph_captures(const pi0_model *m) {
     const cuda_state *s = m->backend_state;
     return s ? s->captures : 0;
+}
+
+void *pi0_cuda_host_alloc(size_t bytes) {
+    void *ptr = NULL;
+    if (cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return ptr;
+}
+
+void pi0_cuda_host_free(void *ptr) {
+    cudaFreeHost(ptr);
 }
 
 int pi0_cuda_available(void) {

@@ -333,15 +333,18 @@ static __global__ void frames_to_images_kernel(float *images, const pi0_frame_jo
     }
 }
 
-static __global__ void im2col_kernel(float *out, const float *images, int n, int image_size, int patch) {
+static __global__ void im2col_kernel(float *out, const float *images, int n, int image_size, int patch, int *nonfinite) {
     int grid = image_size / patch, patch_dim = 3 * patch * patch;
     size_t total = (size_t)n * grid * grid * patch_dim;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         size_t row = i / patch_dim;
         int e = (int)(i % patch_dim), c = e / (patch * patch), r = (e / patch) % patch, col = e % patch;
         int image = (int)(row / (grid * grid)), at = (int)(row % (grid * grid)), py = at / grid, px = at % grid;
-        out[i] = images[(size_t)image * image_size * image_size * 3 +
-                        ((size_t)(py * patch + r) * image_size + px * patch + col) * 3 + c];
+        float v = images[(size_t)image * image_size * image_size * 3 +
+                         ((size_t)(py * patch + r) * image_size + px * patch + col) * 3 + c];
+        out[i] = v;
+        /* NaN and infinity are the floats whose exponent bits are all ones (bits, not isfinite: fast-math safe) */
+        if (nonfinite && (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u) atomicOr(&nonfinite[image], 1);
     }
 }
 
@@ -520,9 +523,10 @@ cudaError_t pi0_cuda_frames_to_images(float *images, const pi0_frame_job *jobs, 
     return cudaGetLastError();
 }
 
-cudaError_t pi0_cuda_im2col(float *out, const float *images, int n, int image_size, int patch, cudaStream_t stream) {
+cudaError_t pi0_cuda_im2col(float *out, const float *images, int n, int image_size, int patch, int *nonfinite,
+                            cudaStream_t stream) {
     size_t total = (size_t)n * image_size * image_size * 3;
-    if (total) im2col_kernel<<<grid_for(total, 256), 256, 0, stream>>>(out, images, n, image_size, patch);
+    if (total) im2col_kernel<<<grid_for(total, 256), 256, 0, stream>>>(out, images, n, image_size, patch, nonfinite);
     return cudaGetLastError();
 }
 

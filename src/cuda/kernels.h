@@ -91,8 +91,11 @@ typedef struct {
 cudaError_t pi0_cuda_frames_to_images(float *images, const pi0_frame_job *jobs, int n, int image_size,
                                       cudaStream_t stream);
 
-/* Patches of HWC images (n, S, S, 3) into rows (n * (S/p)^2, 3 p p) flattened as (channel, row, col). */
-cudaError_t pi0_cuda_im2col(float *out, const float *images, int n, int image_size, int patch, cudaStream_t stream);
+/* Patches of HWC images (n, S, S, 3) into rows (n * (S/p)^2, 3 p p) flattened as (channel, row, col). With
+ * `nonfinite` (n ints, device memory), nonfinite[i] is made non-zero where image i holds a NaN or infinity (and left
+ * as it was elsewhere: the caller zeroes it). */
+cudaError_t pi0_cuda_im2col(float *out, const float *images, int n, int image_size, int patch, int *nonfinite,
+                            cudaStream_t stream);
 
 /* x (rows, dim) += bias + pos[row % positions]. */
 cudaError_t pi0_cuda_add_bias_pos(float *x, const float *bias, const float *pos, int rows, int positions, int dim,

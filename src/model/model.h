@@ -62,6 +62,9 @@ extern const pi0_backend_ops pi0_cpu_backend;
 extern const pi0_backend_ops pi0_cuda_backend;
 /* Non-zero when a CUDA device can be used. */
 int pi0_cuda_available(void);
+/* Page-locked host memory (pi0_host_alloc's), NULL when the driver has none to give; and its release. */
+void *pi0_cuda_host_alloc(size_t bytes);
+void pi0_cuda_host_free(void *ptr);
 #endif
 
 #endif

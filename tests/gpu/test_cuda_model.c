@@ -531,8 +531,8 @@ TEST(bad_input_on_cuda) {
     CHECK(pi0_sample_actions(m, &f.batch, out, NULL, &err) == PI0_ERR_INVALID_ARGUMENT && strstr(err.message, "99999"));
     f.prompt_ids[0] = 3;
     CHECK(pi0_sample_actions(m, &f.batch, out, NULL, &err) == PI0_OK, "%s", err.message);
-    /* NaN or infinity in a valid camera's image is found by the backend's copy to the device and named as the CPU's
-     * check names it; a masked camera's image is not read; the model serves the next call as before */
+    /* NaN or infinity in a valid camera's image is found on the device (im2col) and named as the CPU's check names
+     * it; a masked camera's image is not read; the model serves the next call as before */
     REQUIRE(f.masks[1 * 3 + 1] && !f.masks[0 * 3 + 2], "the fixture's masks changed");
     size_t image = (size_t)224 * 224 * 3;
     float *pixel = &f.images[1][image + (5 * 224 + 7) * 3 + 2], keep = *pixel; /* sample 1, camera 1, y 5, x 7, ch 2 */
@@ -544,6 +544,60 @@ TEST(bad_input_on_cuda) {
     float again[2 * 10 * 32];
     CHECK(pi0_sample_actions(m, &f.batch, again, NULL, &err) == PI0_OK, "%s", err.message);
     CHECK(!memcmp(out, again, sizeof out), "the call after the refusal differs from the one before it");
+    pi0_model_free(m);
+    io_close(&f);
+}
+
+/* Images in pinned memory (pi0_host_alloc) go to the device from where they are: the same actions as from malloc's
+ * memory to the bit, eager and replayed, with masked cameras skipped or computed (uniform_shape); a NaN or infinity in
+ * a valid camera's image is found and named there too, and a masked camera's is not read. */
+TEST(pinned_images_on_cuda) {
+    fixture_io f;
+    REQUIRE(io_open(&f, "pi0_tiny") == 0);
+    pi0_model *m = load("pi0_tiny", PI0_BACKEND_CUDA);
+    REQUIRE(m);
+    size_t image = (size_t)224 * 224 * 3, bytes = 2 * image * sizeof(float);
+    REQUIRE(f.batch.batch == 2 && f.batch.num_cameras == 3 && f.masks[1 * 3 + 1] && !f.masks[0 * 3 + 2],
+            "the fixture's batch changed");
+    float *pinned_images[3];
+    const float *ptrs[3];
+    for (int c = 0; c < 3; c++) {
+        REQUIRE((pinned_images[c] = pi0_host_alloc(bytes)) != NULL);
+        memcpy(pinned_images[c], f.images[c], bytes);
+        ptrs[c] = pinned_images[c];
+        struct cudaPointerAttributes a;
+        REQUIRE(cudaPointerGetAttributes(&a, pinned_images[c] + image) == cudaSuccess && a.type == cudaMemoryTypeHost,
+                "pi0_host_alloc's memory is not page-locked: the test would not take the pinned path");
+    }
+    pi0_batch paged = f.batch, locked = f.batch;
+    locked.images = ptrs;
+    float want[2][2 * 10 * 32], got[2 * 10 * 32];
+    pi0_error err = {0};
+    for (int uniform = 0; uniform < 2; uniform++) {
+        paged.uniform_shape = locked.uniform_shape = uniform;
+        REQUIRE(pi0_sample_actions(m, &paged, want[uniform], NULL, &err) == PI0_OK, "%s", err.message);
+        for (int call = 0; call < 2; call++) { /* a new shape's first call runs eagerly, the next replays its graph */
+            memset(got, 0, sizeof got);
+            REQUIRE(pi0_sample_actions(m, &locked, got, NULL, &err) == PI0_OK, "%s", err.message);
+            CHECK(!memcmp(want[uniform], got, sizeof got), "uniform %d, call %d: pinned images give other actions (%.3g)",
+                  uniform, call, rel_error(got, want[uniform], 2 * 10 * 32));
+        }
+    }
+    locked.uniform_shape = 0;
+    float *pixel = &pinned_images[1][image + (5 * 224 + 7) * 3 + 2], keep = *pixel; /* sample 1, camera 1, y 5, x 7 */
+    *pixel = NAN;
+    CHECK(pi0_sample_actions(m, &locked, got, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+              strstr(err.message, "the image of camera 1, sample 1 is nan at (y 5, x 7, channel 2)"), "%s", err.message);
+    *pixel = keep;
+    pinned_images[0][2 * image - 1] = -INFINITY; /* sample 1, camera 0, its last value */
+    CHECK(pi0_sample_actions(m, &locked, got, NULL, &err) == PI0_ERR_INVALID_ARGUMENT &&
+              strstr(err.message, "the image of camera 0, sample 1 is -inf at (y 223, x 223, channel 2)"), "%s",
+          err.message);
+    pinned_images[0][2 * image - 1] = f.images[0][2 * image - 1];
+    pinned_images[2][image - 1] = INFINITY; /* sample 0's masked camera, its last value */
+    CHECK(pi0_sample_actions(m, &locked, got, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(!memcmp(want[0], got, sizeof got), "the call after the refusals differs");
+    for (int c = 0; c < 3; c++) pi0_host_free(pinned_images[c]);
     pi0_model_free(m);
     io_close(&f);
 }
@@ -682,6 +736,7 @@ int main(int argc, char **argv) {
     RUN(graph_cache_many_shapes);
     RUN(frames_resized_on_gpu_equal_host_images);
     RUN(bad_input_on_cuda);
+    RUN(pinned_images_on_cuda);
     RUN(full_size_pi0_cuda_vs_cpu);
     RUN(full_size_pi05_cuda_vs_cpu);
     return check_finish();

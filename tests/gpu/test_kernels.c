@@ -309,8 +309,11 @@ TEST(im2col_and_bias_pos) {
     float *images = malloc(n * image * 4);
     fill_uniform(images, n * image, 1.0f);
     float *dimg = dev_upload(images, n * image * 4), *dout = dev_poisoned((size_t)n * P * patch_dim * 4);
-    CUDA_OK(pi0_cuda_im2col(dout, dimg, n, S, p, 0));
+    int zeros[3] = {0, 0, 0}, *dflags = dev_upload(zeros, sizeof zeros), flags[3];
+    CUDA_OK(pi0_cuda_im2col(dout, dimg, n, S, p, dflags, 0));
     CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(flags, dflags, sizeof flags, cudaMemcpyDeviceToHost));
+    CHECK(!flags[0] && !flags[1] && !flags[2], "finite images flagged: %d %d %d", flags[0], flags[1], flags[2]);
     float *got = download_f32(dout, (size_t)n * P * patch_dim);
     int mismatches = 0;
     for (int i = 0; i < n; i++)
@@ -324,6 +327,16 @@ TEST(im2col_and_bias_pos) {
                             mismatches += got[at] != want;
                         }
     CHECK(mismatches == 0, "im2col: %d mismatches", mismatches);
+    /* NaN and infinity flag their own image only, wherever they are (image 1's first value, image 2's last) */
+    float bad[2] = {NAN, -INFINITY};
+    CUDA_OK(cudaMemcpy(dimg + image, &bad[0], 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dimg + 3 * image - 1, &bad[1], 4, cudaMemcpyHostToDevice));
+    CUDA_OK(pi0_cuda_im2col(dout, dimg, n, S, p, dflags, 0));
+    CUDA_OK(cudaMemcpy(flags, dflags, sizeof flags, cudaMemcpyDeviceToHost));
+    CHECK(!flags[0] && flags[1] && flags[2], "flags %d %d %d, want 0 1 1", flags[0], flags[1], flags[2]);
+    CUDA_OK(pi0_cuda_im2col(dout, dimg, n, S, p, NULL, 0)); /* without flags: no flag to set */
+    CUDA_OK(cudaDeviceSynchronize());
+    cudaFree(dflags);
     /* x += bias + pos[row % P] */
     size_t rows = (size_t)n * P;
     float *x = malloc(rows * dim * 4), *bias = malloc(dim * 4), *pos = malloc((size_t)P * dim * 4);
