@@ -110,7 +110,8 @@ void plan_free(pi0_plan *plan);
  * then a search image by image only when it found one. Frames are bytes: always finite. */
 pi0_status plan_check_images(const pi0_plan *plan, const pi0_dims *dims, pi0_error *err);
 
-/* The search alone: for a backend whose own pass over the images (a copy) found a NaN or infinity. */
+/* The search alone: for a backend that found a NaN or infinity in the images itself (the CUDA backend, on the
+ * device). */
 pi0_status plan_name_nonfinite_image(const pi0_plan *plan, const pi0_dims *dims, pi0_error *err);
 
 #endif
