@@ -16,9 +16,9 @@ static const char *help =
     "\n"
     "Times sample_actions on random images, state, prompt and noise. --frame 256x256 gives the cameras as\n"
     "H x W uint8 frames, as a robot sends them, which the engine resizes and scales as openpi does (on the GPU\n"
-    "with the cuda backend): what `pi0 serve` runs. Without it, images of the model's size in [-1, 1], in\n"
-    "memory from pi0_host_alloc (pinned: the GPU reads it as it is), or with --pageable in malloc's (the engine\n"
-    "copies it into pinned memory first).\n"
+    "with the cuda backend): what `pi0 serve` runs. Without it, images of the model's size in [-1, 1]. Either\n"
+    "in memory from pi0_host_alloc (pinned: the GPU reads it as it is), or with --pageable in malloc's (the\n"
+    "engine copies it into pinned memory first).\n"
     "Without --checkpoint the model\n"
     "is built from random weights of the real size of --model (default pi0), or of the dims in FILE (a\n"
     "config.json with a `dims` block as `pi0 init` writes). The default workload is the seed documents': one sample,\n"
@@ -29,12 +29,12 @@ static const char *help =
 typedef struct {
     long long batch, cameras, masked, prompt_len, horizon, steps, warmup, iters, seed;
     int frame_h, frame_w; /* > 0: the cameras as uint8 frames of this size (pi0_batch.frames) */
-    int pageable;         /* the images in malloc's memory rather than pi0_host_alloc's */
+    int pageable;         /* the images or frames in malloc's memory rather than pi0_host_alloc's */
 } workload;
 
 /* Random but deterministic inputs of the workload's shape. */
 typedef struct {
-    float **images;      /* from pi0_host_alloc, or malloc with pageable */
+    float **images;      /* from pi0_host_alloc, or malloc with pageable (as frame_pixels) */
     int pageable;
     pi0_frame *frames;   /* (B, cameras) with --frame, pointing into frame_pixels */
     uint8_t *frame_pixels;
@@ -46,7 +46,8 @@ typedef struct {
 
 static void inputs_free(bench_inputs *in, int cameras) {
     for (int c = 0; in->images && c < cameras; c++) in->pageable ? free(in->images[c]) : pi0_host_free(in->images[c]);
-    free(in->images), free(in->frames), free(in->frame_pixels), free(in->image_masks), free(in->prompt_ids);
+    in->pageable ? free(in->frame_pixels) : pi0_host_free(in->frame_pixels);
+    free(in->images), free(in->frames), free(in->image_masks), free(in->prompt_ids);
     free(in->prompt_mask);
     free(in->state), free(in->noise), free(in->actions);
 }
@@ -72,8 +73,8 @@ static int inputs_make(bench_inputs *in, const workload *w, const pi0_dims *d) {
     }
     if (w->frame_h) {
         size_t frame = (size_t)w->frame_h * w->frame_w * 3, count = B * w->cameras;
-        if (!(in->frames = calloc(count + 1, sizeof *in->frames)) || !(in->frame_pixels = malloc(count * frame + 1)))
-            return -1;
+        in->frame_pixels = w->pageable ? malloc(count * frame + 1) : pi0_host_alloc(count * frame + 1);
+        if (!(in->frames = calloc(count + 1, sizeof *in->frames)) || !in->frame_pixels) return -1;
         for (size_t i = 0; i < count * frame; i++) in->frame_pixels[i] = (uint8_t)(rng_mix64(stream + 400 + i) >> 56);
         for (size_t i = 0; i < count; i++) in->frames[i] = (pi0_frame){in->frame_pixels + i * frame, w->frame_h, w->frame_w};
     }
@@ -121,7 +122,7 @@ static int report(const workload *w, const bench_stats *s, pi0_model *model, con
             pi0_model_kind_name(pi0_model_dims(model)->kind), "backend", pi0_backend_name(pi0_model_backend(model)),
             "batch", w->batch, "cameras", w->cameras, "masked_cameras",
             w->masked, "prompt_len", w->prompt_len, "horizon", w->horizon, "steps", w->steps, "iters", w->iters,
-            "frame", w->frame_h ? frame : NULL, "pageable", w->pageable && !w->frame_h,
+            "frame", w->frame_h ? frame : NULL, "pageable", w->pageable,
             "latency_ms", "mean", s->mean, "p50", s->p50, "p95", s->p95, "min", s->min, "max", s->max, "hz", hz,
             "samples_per_s", samples_per_s, "peak_host_memory_gb", peak_gb, "peak_gpu_memory_gb", gpu_gb, "stages_ms", "vision", s->vision, "prefix",
             s->prefix, "denoise", s->denoise, "load_s", load->seconds, "host_memory_after_load_gb", load->host_gb);
@@ -130,7 +131,7 @@ static int report(const workload *w, const bench_stats *s, pi0_model *model, con
     printf("pi0 bench: %s, backend %s, batch %lld, %lld cameras (%lld masked)%s%s%s, %lld prompt tokens, horizon %lld, "
            "%lld steps, %lld iterations\n",
            pi0_model_kind_name(pi0_model_dims(model)->kind), pi0_backend_name(pi0_model_backend(model)), w->batch, w->cameras,
-           w->masked, *frame ? " as frames of " : "", frame, w->pageable && !*frame ? " in pageable memory" : "",
+           w->masked, *frame ? " as frames of " : "", frame, w->pageable ? " in pageable memory" : "",
            w->prompt_len, w->horizon, w->steps, w->iters);
     printf("latency ms: mean %.2f  p50 %.2f  p95 %.2f  min %.2f  max %.2f\n", s->mean, s->p50, s->p95, s->min, s->max);
     printf("throughput: %.2f Hz, %.2f samples/s\n", hz, samples_per_s);

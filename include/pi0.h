@@ -23,6 +23,7 @@
  *   PI0_BESIDE=0        a graph's first denoise step after the prefix instead of beside it (CUDA, <= 64 suffix rows)
  *   PI0_PARTS=0         cuBLASLt's own split-K reductions instead of partial sums added by the next norm (CUDA)
  *   PI0_GATE_UP=0       the prefix's gate|up through cuBLASLt, then gelu x up, instead of one fused kernel (H100/H200)
+ *   PI0_FUSED_EULER=0   a batch-1 step's Euler update and the next step's input Linear as separate kernels (CUDA)
  *   PI0_PERSISTENT=1    each batch-1 denoise step as one persistent kernel (sm_90+; opt-in: slower today)
  *   PI0_PERSISTENT_SLOTS=n  weight slots its ring keeps in flight per SM (default 4)
  *   PI0_GEMM_TUNE=0     take cuBLASLt's first heuristic pick per GEMM shape instead of timing candidates
@@ -215,11 +216,13 @@ PI0_API pi0_status pi0_sample_actions(pi0_model *model, const pi0_batch *batch, 
                               pi0_timings *timings, pi0_error *err);
 
 /*
- * Host memory for a batch's images that the CUDA backend sends to the GPU from where it is, instead of copying it
- * into a buffer of its own first: page-locked ("pinned") memory of the CUDA driver when a GPU is present, else
- * malloc's. A caller that writes its float images here saves that copy, ~0.1-0.2 ms a call for two 224 x 224
- * images (the CUDA backend sends any page-locked memory the same way, e.g. cudaHostAlloc's). Any backend reads it
- * like other memory. NULL when out of memory; freed only by pi0_host_free.
+ * Host memory for a batch's images or frames that the CUDA backend sends to the GPU from where it is, instead of
+ * copying it into a buffer of its own first: page-locked ("pinned") memory of the CUDA driver when a GPU is present,
+ * else malloc's. A caller that writes its float images here saves that copy, ~0.1-0.2 ms a call for two 224 x 224
+ * images; its uint8 frames, ~0.05 ms for two 256 x 256 and ~0.2 ms for two 480 x 640 (the CUDA backend sends any
+ * page-locked memory the same way, e.g. cudaHostAlloc's; pi0_policy's prepared observations live in it). Any backend
+ * reads it like other memory. Slow to allocate and free (the driver locks the pages): keep and reuse it. NULL when
+ * out of memory; freed only by pi0_host_free.
  */
 PI0_API void *pi0_host_alloc(size_t bytes);
 PI0_API void pi0_host_free(void *ptr);

@@ -158,7 +158,9 @@ PI0_API void pi0_policy_result_free(pi0_policy_result *result);
  * once, also while another runs pi0_policy_infer_prepared. A bad observation gives a non-OK status and
  * still a pi0_prepared (NULL only when out of memory) that carries the error, so that passing it on makes
  * its result fail alone. pi0_policy_infer_prepared runs them as one batch like pi0_policy_infer, and is
- * used by one thread at a time; it does not free them.
+ * used by one thread at a time; it does not free them. A prepared observation is one block of page-locked memory
+ * (pi0_host_alloc's, so the CUDA backend sends its frames from where they are) from the policy's pool, to which
+ * pi0_prepared_free returns it (any thread; also after pi0_policy_free, which frees the pool's blocks).
  */
 typedef struct pi0_prepared pi0_prepared;
 PI0_API pi0_status pi0_policy_prepare(const pi0_policy *policy, const pi0_observation *observation,

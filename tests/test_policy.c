@@ -767,6 +767,44 @@ TEST(prepare_on_threads_then_infer) {
     pi0_policy_free(pol);
 }
 
+/* Prepared observations live in the policy's pool of pi0_host_alloc blocks: a freed block serves the next
+ * observation (no stale bytes of the last one reach the model), more blocks than the pool keeps come and go, and an
+ * observation freed after its policy still frees cleanly (the sanitizer build checks both). */
+TEST(prepared_blocks_are_reused) {
+    pi0_error err = {0};
+    pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
+    REQUIRE(pol, "%s", err.message);
+    libero_obs a, b;
+    libero_make(&a, 41, "pick up the bowl"), libero_make(&b, 42, "open the top drawer");
+    uint64_t seed = 5;
+    pi0_prepared *first = NULL, *again = NULL;
+    REQUIRE(pi0_policy_prepare(pol, &a.b.obs, &first, &err) == PI0_OK, "%s", err.message);
+    CHECK(pi0_policy_pooled_blocks(pol) == 0, "the pool starts empty");
+    pi0_prepared_free(first);
+    CHECK(pi0_policy_pooled_blocks(pol) == 1, "a freed block did not go back to the pool");
+    REQUIRE(pi0_policy_prepare(pol, &b.b.obs, &again, &err) == PI0_OK, "%s", err.message);
+    CHECK(again == first && pi0_policy_pooled_blocks(pol) == 0, "a freed block was not reused");
+    pi0_policy_result from_pool, direct;
+    const pi0_prepared *list[1] = {again};
+    REQUIRE(pi0_policy_infer_prepared(pol, list, &seed, 1, &from_pool, &err) == PI0_OK, "%s", err.message);
+    REQUIRE(infer1(pol, &b.b.obs, seed, &direct) == PI0_OK);
+    CHECK(same_result(&from_pool, &direct), "a reused block gives other actions");
+    pi0_policy_result_free(&from_pool), pi0_policy_result_free(&direct);
+    enum { MANY = 40 };
+    pi0_prepared *many[MANY];
+    for (int i = 0; i < MANY; i++) REQUIRE(pi0_policy_prepare(pol, &a.b.obs, &many[i], &err) == PI0_OK, "%s", err.message);
+    CHECK(pi0_policy_pooled_blocks(pol) == 0, "blocks handed out twice");
+    for (int i = 0; i < MANY; i++) pi0_prepared_free(many[i]);
+    CHECK(pi0_policy_pooled_blocks(pol) == 16, "the pool keeps %d blocks, not 16", pi0_policy_pooled_blocks(pol));
+    pi0_prepared_free(NULL);
+    pi0_prepared *late = NULL;
+    REQUIRE(pi0_policy_prepare(pol, &a.b.obs, &late, &err) == PI0_OK, "%s", err.message);
+    pi0_policy_free(pol);
+    pi0_prepared_free(late); /* after its policy */
+    pi0_prepared_free(again);
+    libero_free(&a), libero_free(&b);
+}
+
 TEST(bad_observations_fail_alone) {
     pi0_error err = {0};
     pi0_policy *pol = make_policy("libero", PI0_MODEL_PI0, 2000, PI0_NORM_ZSCORE, &err);
@@ -1306,6 +1344,7 @@ int main(int argc, char **argv) {
     RUN(layouts_and_dtypes_are_equivalent);
     RUN(batch_equals_alone);
     RUN(prepare_on_threads_then_infer);
+    RUN(prepared_blocks_are_reused);
     RUN(bad_observations_fail_alone);
     RUN(nonfinite_actions_fail);
     RUN(token_ids_outside_vocabulary);

@@ -115,6 +115,9 @@ typedef struct {
     size_t suffix_attn_ws_bytes;
     int persistent;        /* the denoise step runs as one persistent kernel (denoise.h) */
     int first_step_beside; /* the first denoise step runs beside the prefix (forward.c) */
+    int fused_euler;       /* the steps end in the fused Euler update (forward.c's euler_boundary) */
+    float *x_t_alt;        /* batch 1: x_t's second buffer for fused_euler (forward.c's x_t_after) */
+    pi0_bf16 *suffix_bf16_alt; /* batch 1, Pi0.5: the bf16 suffix rows' second buffer (forward.c's suffix_bf16_of) */
     void *denoise_ws;      /* its workspace (pi0_cuda_denoise_workspace) */
     pi0_bf16 *vit_h, *vit_qkv, *vit_att, *vit_mlp, *cache_k, *cache_v, *time_hidden, *final_h;
     gemma_buffers prefix, suffix_buffers; /* the LLM's over the prefix rows, the expert's over the suffix */
@@ -143,6 +146,7 @@ typedef struct {
     int use_persistent; /* denoise.h's persistent kernel for the batch-1 denoise steps it supports (opt-in) */
     int use_parts;      /* split-K Linears into partial sums that the next norm adds (forward.c's stack_parts) */
     int use_gate_up;    /* gate_up.h's gate|up with gelu x up, where it fits (forward.c's gemma_block) */
+    int use_fused_euler; /* the batch-1 step boundary as one kernel (forward.c's euler_boundary) */
     void **allocations; /* weight buffers, freed at release */
     int num_allocations, max_allocations;
     uint64_t device_bytes, peak_device_bytes;

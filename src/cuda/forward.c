@@ -336,29 +336,83 @@ static int suffix_is_skinny(const cuda_state *s, const pi0_model *m, const cuda_
     return g->shape.batch == 1 && skinny_fits(s, &m->dims.expert, rows->per_sample);
 }
 
+/*
+ * The step boundary at batch 1 (skinny.h's pi0_cuda_skinny_euler): the Euler update of the step that ended and the
+ * next step's input Linear in one kernel, where they were the skinny update and a kernel of their own; the last
+ * step's update runs alone. The kernel's blocks all read x_t while its first block writes the update, so x_t
+ * alternates between two buffers: after k steps it lies in x_t_alt for odd k short of the last, and in the inputs'
+ * x_t otherwise (the noise before the first step, the actions after the last). Pi0.5's input Linear writes the
+ * suffix rows the update reads, so its bf16 rows alternate too (suffix_bf16_of). PI0_FUSED_EULER=0: the separate
+ * kernels (A/B runs).
+ */
+static int fused_euler(const cuda_state *s, const pi0_model *m, const cuda_graph *g) {
+    const pi0_dims *d = &m->dims;
+    return s->use_fused_euler && g->shape.batch == 1 && skinny_fits(s, &d->expert, g->suffix_len) &&
+           g->shape.horizon <= 16 && d->action_dim <= 32 && d->action_dim % 8 == 0 && d->expert.width % 8 == 0;
+}
+
+/* Where x_t lies after `steps` Euler steps (above). */
+static float *x_t_after(const cuda_graph *g, int steps) {
+    return g->fused_euler && steps % 2 && steps < g->shape.num_steps ? g->x_t_alt : g->in.x_t;
+}
+
+/* The suffix rows in bf16 that this step's layers read and write. */
+static pi0_bf16 *suffix_bf16_of(const cuda_graph *g, int step) {
+    return g->suffix_bf16_alt && g->fused_euler && step % 2 ? g->suffix_bf16_alt : g->suffix_bf16;
+}
+
+/* The update that ends `step`, with the next step's input Linear unless it is the last. */
+static pi0_status euler_boundary(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, int plain, pi0_error *err) {
+    const pi0_stack_dims *d = &m->dims.expert;
+    const gpu_weights *w = &s->w;
+    const suffix_rows *rows = step_rows(g, step);
+    int H = g->shape.horizon, We = d->width, A = m->dims.action_dim, next = step + 1;
+    int pi05 = m->dims.kind == PI0_MODEL_PI05;
+    norm_mod mod = pi05 ? step_norm(g, We, 2 * d->depth, step, g->tables->out_col_bias + (size_t)step * A) : (norm_mod){0};
+    skinny_euler_args a = {.rows = H, .width = We, .action_dim = A,
+                           .x = suffix_bf16_of(g, step) + (size_t)(rows->per_sample - H) * We,
+                           .out_w = pi05 ? w->action_out_w : w->action_out_fold_w, .in_scale = mod.linear_scale,
+                           .out_bias = pi05 ? mod.linear_bias : w->action_out_b, .gate = g->tables->out_gate,
+                           .eps = NORM_EPS, .x_t = x_t_after(g, step), .x_t_next = x_t_after(g, next),
+                           .plain_launch = plain};
+    if (next < g->shape.num_steps && pi05) /* action_in_proj into the suffix */
+        a.next_w = w->action_in_w, a.next_bias = w->action_in_b, a.next_n = We, a.next_f32 = g->suffix,
+        a.next_bf16 = suffix_bf16_of(g, next);
+    else if (next < g->shape.num_steps) /* the action half of action_time_mlp_in (suffix_tokens) */
+        a.next_w = w->time_fold_w, a.next_bias = g->tables->time_bias + (size_t)next * We, a.next_n = We, a.swish = 1,
+        a.next_bf16 = g->time_hidden;
+    CUDA_TRY(pi0_cuda_skinny_euler(&a, s->stream));
+    return PI0_OK;
+}
+
 /* The suffix rows of this step: Pi0's [state token, action_time_mlp(action_in_proj(x), time)] with
  * action_in_proj folded into the MLP's first layer (weights.c) and its time half precomputed
  * (step_constants), the state token where the step runs it; Pi0.5's action_in_proj(x), whose rows b H + i are the
- * suffix's own. */
+ * suffix's own. After the first step with fused_euler, the MLP's first layer (Pi0) or action_in_proj (Pi0.5) is
+ * the previous step's euler_boundary; `plain`: its kernel follows a wait on another stream. */
 static pi0_status suffix_tokens(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, const suffix_rows *rows,
-                                int skinny_rows, pi0_error *err) {
+                                int skinny_rows, int plain, pi0_error *err) {
     const gpu_weights *w = &s->w;
     int B = g->shape.batch, H = g->shape.horizon, BH = B * H, We = m->dims.expert.width, A = m->dims.action_dim;
-    int state_rows = rows->per_sample - H;
+    int state_rows = rows->per_sample - H, fused = g->fused_euler && step > 0;
     const float *state = state_rows ? g->state_token : NULL;
+    pi0_bf16 *suffix_bf16 = suffix_bf16_of(g, step);
+    if (fused) TRY(euler_boundary(s, m, g, step - 1, plain, err));
     if (m->dims.kind == PI0_MODEL_PI05) {
-        CUDA_TRY(pi0_cuda_linear_small_k(g->suffix, g->suffix_bf16, g->in.x_t, w->action_in_w, w->action_in_b, BH, A, We, 0,
-                                         s->stream));
+        if (!fused)
+            CUDA_TRY(pi0_cuda_linear_small_k(g->suffix, suffix_bf16, g->in.x_t, w->action_in_w, w->action_in_b, BH, A, We,
+                                             0, s->stream));
         return PI0_OK;
     }
     const float *time_bias = g->tables->time_bias + (size_t)step * We;
     if (skinny_rows) { /* one sample: the state row (if any) with the hidden rows, the action rows into the suffix */
         size_t actions = (size_t)state_rows * We; /* where they start */
-        CUDA_TRY(pi0_cuda_action_time_in(g->time_hidden, g->suffix, g->suffix_bf16, state, g->in.x_t, w->time_fold_w,
-                                         time_bias, H, A, We, s->stream));
+        if (!fused)
+            CUDA_TRY(pi0_cuda_action_time_in(g->time_hidden, g->suffix, suffix_bf16, state, g->in.x_t, w->time_fold_w,
+                                             time_bias, H, A, We, s->stream));
         return skinny(s, (skinny_args){.m = H, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w,
                                        .col_bias = w->time_out_b, .epilogue = SKINNY_STORE,
-                                       .out = g->suffix_bf16 + actions, .out_f32 = g->suffix + actions}, err);
+                                       .out = suffix_bf16 + actions, .out_f32 = g->suffix + actions}, err);
     }
     CUDA_TRY(pi0_cuda_linear_small_k(NULL, g->time_hidden, g->in.x_t, w->time_fold_w, time_bias, BH, A, We, 1, s->stream));
     TRY(gemm(s, (gemm_args){.m = BH, .n = We, .k = We, .x = g->time_hidden, .w = w->time_out_w, .bias = w->time_out_b,
@@ -379,7 +433,8 @@ static pi0_status euler_update(cuda_state *s, const pi0_model *m, cuda_graph *g,
     int pi05 = m->dims.kind == PI0_MODEL_PI05;
     if (skinny_rows) { /* the action rows are the suffix's last H */
         norm_mod mod = pi05 ? step_norm(g, We, 2 * d->depth, step, g->tables->out_col_bias + (size_t)step * A) : (norm_mod){0};
-        return skinny(s, (skinny_args){.m = BH, .n = A, .k = We, .x = g->suffix_bf16 + (size_t)(rows->per_sample - BH) * We,
+        const pi0_bf16 *action_rows = suffix_bf16_of(g, step) + (size_t)(rows->per_sample - BH) * We;
+        return skinny(s, (skinny_args){.m = BH, .n = A, .k = We, .x = action_rows,
                                        .w = pi05 ? w->action_out_w : w->action_out_fold_w, .rms_norm = 1, .eps = NORM_EPS,
                                        .in_scale = mod.linear_scale, .col_bias = pi05 ? mod.linear_bias : w->action_out_b,
                                        .epilogue = SKINNY_RESIDUAL, .residual = g->in.x_t, .residual_bf16 = g->final_h,
@@ -403,9 +458,9 @@ static pi0_status expert_persistent(cuda_state *s, const pi0_model *m, cuda_grap
     pi0_denoise_args a = {.rows = rows->per_sample, .width = d->width, .heads = d->num_heads, .kv_heads = d->num_kv_heads,
                           .head_dim = d->head_dim, .mlp_dim = d->mlp_dim, .depth = d->depth,
                           .layers = g->tables->denoise_layers + (size_t)step * d->depth, .x = g->suffix,
-                          .x_bf16 = g->suffix_bf16, .qkv = b->qkv, .att = b->att, .mlp = b->mlp, .cache_k = g->cache_k,
-                          .cache_v = g->cache_v, .cache_layer = cache_layer_elems(m, g), .positions = rows->pos,
-                          .cache_rows = rows->cache_row, .segment = rows->segments,
+                          .x_bf16 = suffix_bf16_of(g, step), .qkv = b->qkv, .att = b->att, .mlp = b->mlp,
+                          .cache_k = g->cache_k, .cache_v = g->cache_v, .cache_layer = cache_layer_elems(m, g),
+                          .positions = rows->pos, .cache_rows = rows->cache_row, .segment = rows->segments,
                           .rope_cos = s->w.rope_cos, .rope_sin = s->w.rope_sin, .eps = NORM_EPS,
                           .workspace = g->denoise_ws, .max_keys = g->shape.max_prefix + g->suffix_len};
     CUDA_TRY(pi0_cuda_denoise_step(&a, s->stream));
@@ -422,13 +477,14 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
     int B = g->shape.batch, S = rows->per_sample, pi05 = m->dims.kind == PI0_MODEL_PI05;
     int skinny_rows = suffix_is_skinny(s, m, g, rows);
     size_t cache_layer = cache_layer_elems(m, g);
-    TRY(suffix_tokens(s, m, g, step, rows, skinny_rows, err));
+    /* step 1's first kernel follows the join of step 0 beside the prefix (run_first_step_beside) */
+    TRY(suffix_tokens(s, m, g, step, rows, skinny_rows, step == 1 && g->first_step_beside, err));
     if (g->persistent) {
         TRY(expert_persistent(s, m, g, step, rows, err));
     } else {
         gemma_rows r = {.rows = B * S, .num_segments = B, .max_q = S, .max_k = g->shape.max_prefix + g->suffix_len,
                         .positions = rows->pos, .cache_rows = rows->cache_row, .segments = rows->segments, .x = g->suffix,
-                        .x_bf16 = g->suffix_bf16, .b = &g->suffix_buffers, .attn_ws = g->suffix_attn_ws,
+                        .x_bf16 = suffix_bf16_of(g, step), .b = &g->suffix_buffers, .attn_ws = g->suffix_attn_ws,
                         .attn_ws_bytes = g->suffix_attn_ws_bytes, .after_wait = kv_ready != NULL,
                         .attn_sms = kv_ready && B == 1 ? s->multiprocessors / BESIDE_ATTENTION_SHARE : 0};
         int down_parts = 0;
@@ -443,7 +499,8 @@ static pi0_status denoise_step(cuda_state *s, const pi0_model *m, cuda_graph *g,
             r.pending_gate = pi05 ? mods.mlp.gate : NULL; /* what the next block adds its partial sums with */
         }
     }
-    return euler_update(s, m, g, step, rows, skinny_rows, err);
+    if (!g->fused_euler) return euler_update(s, m, g, step, rows, skinny_rows, err);
+    return step == g->shape.num_steps - 1 ? euler_boundary(s, m, g, step, 0, err) : PI0_OK; /* else the next step's */
 }
 
 /* Pi0's state token, the suffix's first row in the first step (plan.h: the later ones read its K/V). */
@@ -620,6 +677,7 @@ static cudaError_t record(cudaEvent_t event, cudaStream_t stream) {
 
 pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
     int beside = g->first_step_beside = first_step_beside(s, g);
+    g->fused_euler = fused_euler(s, m, g);
     CUDA_TRY(record(g->events[0], s->stream)); /* the inputs are on their way already (graph.c's cuda_sample) */
     TRY(vision_forward(s, m, g, err));
     CUDA_TRY(record(g->events[1], s->stream));

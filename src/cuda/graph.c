@@ -169,6 +169,10 @@ static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     }
     carve_gemma(c, &g->suffix_buffers, R, &d->expert);
     g->final_h = carve(c, BH * We * bf);
+    if (B == 1) { /* last, so that they move nothing else */
+        g->x_t_alt = carve(c, BH * d->action_dim * f);
+        g->suffix_bf16_alt = d->kind == PI0_MODEL_PI05 ? carve(c, R * We * bf) : NULL;
+    }
 }
 
 static void graph_free(cuda_graph *g) {
@@ -331,6 +335,7 @@ static void fill_inputs(const cuda_graph *g, const pi0_model *m, const pi0_plan 
 typedef struct {
     int new_h, new_w, pad_y, pad_x;
     pi0_axis_weights x, y; /* zeroed where Pillow skips the pass (that side keeps its size) */
+    int pinned;            /* the frame's bytes are page-locked: copied to the device from where they are */
 } frame_plan;
 
 static size_t frame_bytes(const pi0_frame *f, const frame_plan *fp) {
@@ -377,7 +382,9 @@ static pi0_status frames_reserve(cuda_state *s, size_t bytes, pi0_error *err) {
 }
 
 /* The plan's frames, their geometry and Pillow's weights into the staging buffers, one job per frame in the
- * graph's host inputs, and the staged bytes copied to the device on the stream (before the graph runs). */
+ * graph's host inputs, and the staged bytes copied to the device on the stream (before the graph runs). A frame in
+ * page-locked memory (pi0_host_alloc's) is not staged: its own copy to the device goes from where it is, into room
+ * left after the staged bytes. */
 static pi0_status stage_frames(cuda_state *s, const pi0_model *m, const cuda_graph *g, const pi0_plan *p,
                                pi0_error *err) {
     int n = p->num_images, S = m->dims.image_size;
@@ -404,14 +411,23 @@ static pi0_status stage_frames(cuda_state *s, const pi0_model *m, const cuda_gra
         if (!f->pixels) continue;
         *job = (pi0_frame_job){.height = f->height, .width = f->width, .new_h = fp->new_h, .new_w = fp->new_w,
                                .pad_y = fp->pad_y, .pad_x = fp->pad_x};
-        job->pixels = stage(&at, s, f->pixels, (size_t)f->height * f->width * 3);
+        if (!(plans[i].pinned = pinned(f->pixels))) job->pixels = stage(&at, s, f->pixels, (size_t)f->height * f->width * 3);
         stage_axis(&at, s, &fp->x, fp->new_w, &job->x_first, &job->x_count, &job->x_weights, &job->x_taps);
         stage_axis(&at, s, &fp->y, fp->new_h, &job->y_first, &job->y_count, &job->y_weights, &job->y_taps);
     }
+    cudaError_t e = !st && at.used ? cudaMemcpyAsync(s->frames, s->frames_host, at.used, cudaMemcpyHostToDevice, s->stream)
+                                   : cudaSuccess;
+    for (int i = 0; i < n && !st && !e; i++) { /* the page-locked frames, each from where it is */
+        const pi0_frame *f = &p->frames[i];
+        if (!f->pixels || !plans[i].pinned) continue;
+        size_t size = (size_t)f->height * f->width * 3;
+        uint8_t *dst = s->frames + ((uint8_t *)carve(&at, size) - s->frames_host);
+        g->in_host.frame_jobs[i].pixels = dst;
+        e = cudaMemcpyAsync(dst, f->pixels, size, cudaMemcpyHostToDevice, s->stream);
+    }
     for (int i = 0; i < n; i++) pi0_axis_weights_free(&plans[i].x), pi0_axis_weights_free(&plans[i].y);
     free(plans);
-    if (!st && at.used && cudaMemcpyAsync(s->frames, s->frames_host, at.used, cudaMemcpyHostToDevice, s->stream))
-        st = pi0_fail(err, PI0_ERR_BACKEND, "copying the camera frames: %s", cudaGetErrorString(cudaGetLastError()));
+    if (!st && e) st = pi0_fail(err, PI0_ERR_BACKEND, "copying the camera frames: %s", cudaGetErrorString(e));
     return st;
 }
 
@@ -593,6 +609,8 @@ static pi0_status cuda_init(pi0_model *m, pi0_error *err) {
     s->use_parts = !(parts_env && !strcmp(parts_env, "0"));
     const char *gate_up_env = getenv("PI0_GATE_UP"); /* PI0_GATE_UP=0: cuBLASLt's gate|up, then gelu x up (A/B runs) */
     s->use_gate_up = !(gate_up_env && !strcmp(gate_up_env, "0"));
+    const char *euler_env = getenv("PI0_FUSED_EULER"); /* PI0_FUSED_EULER=0: the step boundary's separate kernels (A/B) */
+    s->use_fused_euler = !(euler_env && !strcmp(euler_env, "0"));
     const char *max_env = getenv("PI0_CUDA_MAX_GRAPHS");
     s->max_graphs = max_env && atoi(max_env) > 0 ? atoi(max_env) : MAX_GRAPHS;
     int device = 0;

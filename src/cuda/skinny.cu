@@ -400,6 +400,154 @@ cudaError_t launch(const SkinnyParams &p, const Shape &s, const Launch &l) {
     return p.in_scale ? launch_rows<NT, C, true>(p, s, l) : launch_rows<NT, C, false>(p, s, l);
 }
 
+
+/* ---- the Euler step at a step boundary (skinny_euler_args) ---- */
+
+constexpr int kEulerWarps = 8, kEulerChunks = 4, kEulerTiles = 4; /* the tail's skinny launch: 8 warps of C 4 */
+constexpr int kEulerCols = 8 * kEulerTiles;                        /* every action column in one block */
+constexpr int kEulerNextCols = 64;                                 /* the next Linear's columns a block */
+constexpr int kEulerMaxK = 32;                                     /* its k (action_dim): 4 x 8 bf16 a weight row */
+
+struct EulerParams {
+    int rows, width, action_dim;
+    const uint16_t *x, *out_w, *in_scale;
+    const float *out_bias, *gate;
+    float eps;
+    const float *x_t;
+    float *x_t_next;
+    const uint16_t *next_w;
+    const float *next_bias;
+    int next_n, swish;
+    float *next_f32;
+    uint16_t *next_bf16;
+};
+
+/*
+ * Every block computes the whole update (action_dim columns of up to 16 rows) exactly as the skinny kernel does for
+ * n = action_dim with rms_norm and SKINNY_RESIDUAL: the same warps, chunks and fragments, the same order of every sum
+ * (so the same bits: the n8 tiles a block of that kernel held one of, this one holds all four); block 0 stores it.
+ * Then each block computes kEulerNextCols columns of the next Linear from the updated rows in shared memory, as
+ * linear_small_k does (kernels.cu: the same float32 sum in k order). The update's weights (64 KB at Pi0's dims), its
+ * constants and the next Linear's weight rows are loaded before the wait.
+ */
+template <bool SCALE>
+__global__ void __launch_bounds__(kEulerWarps * 32, 1) euler_kernel(EulerParams e) {
+    constexpr int NT = kEulerTiles, C = kEulerChunks, NC = kEulerCols, ROWS = 16;
+    constexpr bool SPLIT = !SCALE; /* as the skinny kernel's for one row tile */
+    extern __shared__ float smem[];
+    float *part = smem, *sums = part + kEulerWarps * ROWS * NC, *x_next = sums + kEulerWarps * ROWS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    SkinnyParams p = {};
+    p.k = e.width, p.rms_norm = 1, p.eps = e.eps;
+    const uint16_t *x0 = e.x + (size_t)g * e.width, *x1 = x0 + (size_t)8 * e.width;
+    const bool row0 = g < e.rows, row1 = g + 8 < e.rows;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+
+    /* The next Linear: this thread's column and its first row (rows r, r + 4, ...). */
+    const int next_col = blockIdx.x * kEulerNextCols + (threadIdx.x & (kEulerNextCols - 1));
+    const int next_row = threadIdx.x / kEulerNextCols, row_step = kEulerWarps * 32 / kEulerNextCols;
+    const bool has_next = e.next_w && next_col < e.next_n;
+    uint4 next_w[kEulerMaxK / 8];
+    float next_bias = 0.f;
+#pragma unroll
+    for (int c = 0; c < kEulerMaxK / 8; c++)
+        next_w[c] = has_next && 8 * c < e.action_dim
+                        ? *reinterpret_cast<const uint4 *>(e.next_w + (size_t)next_col * e.action_dim + 8 * c)
+                        : zero;
+    if (has_next && e.next_bias) next_bias = e.next_bias[next_col];
+
+    float acc[NT][4], acc2[NT][4], ss[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[j][i] = acc2[j][i] = 0.f;
+
+    pdl_trigger(); /* the next kernel may start streaming its weights */
+    /* skinny_kernel's pass, written out again: the same loop as one helper of both changed skinny_kernel's SASS
+     * (cuobjdump), whose layer time follows its code's shape (session 16), for nothing measured */
+    for (int kb = warp * C * 32; kb < e.width; kb += kEulerWarps * C * 32) {
+        uint4 wv[C][NT], sv[SCALE ? C : 1];
+#pragma unroll
+        for (int c = 0; c < C; c++) {
+            const int k = kb + c * 32 + t * 8;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const int n = j * 8 + g;
+                wv[c][j] = k < e.width && n < e.action_dim ? load_stream(e.out_w + (size_t)n * e.width + k) : zero;
+            }
+            if (SCALE) sv[SCALE ? c : 0] = k < e.width ? *reinterpret_cast<const uint4 *>(e.in_scale + k) : zero;
+        }
+        pdl_wait(); /* x is the previous kernel's output (a no-op after the first pass) */
+        uint4 xa[C], xb[C];
+        load_x<C>(xa, xb, x0, x1, row0, row1, kb + t * 8, e.width);
+        tile_product<NT, C, SCALE, SPLIT>(acc, acc2, ss, xa, xb, wv, sv, 1);
+    }
+    pdl_wait(); /* a warp that ran no pass has not waited yet */
+    const int e0 = threadIdx.x, row_e = e0 / kEulerCols, col_e = e0 % kEulerCols; /* this thread's first output */
+    const bool early = row_e < e.rows && col_e < e.action_dim;
+    const float early_res = early ? e.x_t[(size_t)row_e * e.action_dim + col_e] : 0.f;
+    const float early_gate = early ? e.gate[col_e] : 1.f;
+
+    if constexpr (SPLIT) {
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[j][i] += acc2[j][i];
+    }
+    float *mine = part + warp * ROWS * NC;
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int col = j * 8 + 2 * t;
+        mine[g * NC + col] = acc[j][0];
+        mine[g * NC + col + 1] = acc[j][1];
+        mine[(g + 8) * NC + col] = acc[j][2];
+        mine[(g + 8) * NC + col + 1] = acc[j][3];
+    }
+    float s0 = ss[0], s1 = ss[1];
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    if (t == 0) {
+        sums[warp * ROWS + g] = s0;
+        sums[warp * ROWS + g + 8] = s1;
+    }
+    __syncthreads();
+
+    /* The update, as SKINNY_RESIDUAL's epilogue (the one column of a block there is one of the action_dim here). */
+    for (int i = threadIdx.x; i < e.rows * kEulerCols; i += blockDim.x) {
+        const int row = i / kEulerCols, col = i % kEulerCols;
+        if (col >= e.action_dim) continue;
+        const float scale = row_scale<ROWS>(p, sums, kEulerWarps, row);
+        const float v0 = column_total<NC, ROWS>(part, kEulerWarps, row, col) * scale + e.out_bias[col];
+        const size_t at = (size_t)row * e.action_dim + col;
+        const bool first = i == (int)threadIdx.x && early;
+        const float r = (first ? early_res : e.x_t[at]) + (first ? early_gate : e.gate[col]) * v0;
+        x_next[row * kEulerMaxK + col] = r;
+        if (blockIdx.x == 0) e.x_t_next[at] = r;
+    }
+    if (!e.next_w) return;
+    __syncthreads();
+    if (!has_next) return;
+
+    /* The next Linear, as linear_small_k: bias, then x_t_next's k in order, then swish. */
+    for (int row = next_row; row < e.rows; row += row_step) {
+        const float *xr = x_next + row * kEulerMaxK;
+        float v = next_bias;
+#pragma unroll
+        for (int c = 0; c < kEulerMaxK / 8; c++) {
+            const uint32_t w4[4] = {next_w[c].x, next_w[c].y, next_w[c].z, next_w[c].w};
+#pragma unroll
+            for (int h = 0; h < 8; h++)
+                if (8 * c + h < e.action_dim) v += xr[8 * c + h] * (h & 1 ? bf16_hi(w4[h / 2]) : bf16_lo(w4[h / 2]));
+        }
+        if (e.swish) v = v / (1.0f + __expf(-v));
+        const size_t at = (size_t)row * e.next_n + next_col;
+        if (e.next_f32) e.next_f32[at] = v;
+        if (e.next_bf16) e.next_bf16[at] = __bfloat16_as_ushort(__float2bfloat16(v));
+    }
+}
+
 } /* namespace */
 
 extern "C" int pi0_cuda_skinny_supported(const skinny_args *a) {
@@ -432,4 +580,28 @@ extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t
     const Launch l = {a->plain_launch != 0, a->smem_carveout, stream};
     if (s.chunks == 8) return launch_as<1, 8, 1, false>(p, s.warps, l);
     return s.nt == 1 ? launch<1, 4>(p, s, l) : launch<2, 4>(p, s, l);
+}
+
+extern "C" int pi0_cuda_skinny_euler_supported(const skinny_euler_args *a) {
+    if (!a || a->rows <= 0 || a->rows > 16 || a->width <= 0 || a->width % 8 || a->action_dim <= 0 ||
+        a->action_dim > kEulerCols || !a->x || !a->out_w || !a->out_bias || !a->gate || !a->x_t || !a->x_t_next)
+        return 0;
+    if ((uintptr_t)a->x % 16 || (uintptr_t)a->out_w % 16 || (uintptr_t)a->in_scale % 16) return 0;
+    if (!a->next_w) return 1;
+    /* the next Linear's blocks all read x_t: only the update alone may write it in place (each row by one block) */
+    return a->x_t_next != a->x_t && a->action_dim <= kEulerMaxK && a->action_dim % 8 == 0 &&
+           (uintptr_t)a->next_w % 16 == 0 && a->next_n > 0 && (a->next_f32 || a->next_bf16);
+}
+
+extern "C" cudaError_t pi0_cuda_skinny_euler(const skinny_euler_args *a, cudaStream_t stream) {
+    if (!pi0_cuda_skinny_euler_supported(a)) return cudaErrorInvalidValue;
+    const EulerParams e = {a->rows, a->width, a->action_dim, a->x, a->out_w, a->in_scale, a->out_bias, a->gate, a->eps,
+                           a->x_t, a->x_t_next, a->next_w, a->next_bias, a->next_n, a->swish, a->next_f32, a->next_bf16};
+    const unsigned blocks = a->next_w ? (unsigned)((a->next_n + kEulerNextCols - 1) / kEulerNextCols) : 1;
+    const size_t smem = (size_t)(kEulerWarps * 16 * kEulerCols + kEulerWarps * 16 + 16 * kEulerMaxK) * sizeof(float);
+    cudaLaunchAttribute attrs[1];
+    cudaLaunchConfig_t cfg = launch_config(dim3(blocks), dim3(kEulerWarps * 32), smem, stream);
+    cfg.attrs = attrs;
+    if (!a->plain_launch) make_dependent(&cfg, attrs);
+    return a->in_scale ? cudaLaunchKernelEx(&cfg, euler_kernel<true>, e) : cudaLaunchKernelEx(&cfg, euler_kernel<false>, e);
 }

@@ -85,6 +85,41 @@ typedef struct {
     int max_warps;
 } skinny_args;
 
+/*
+ * The denoise loop's step boundary at batch 1, one kernel where there were two or three: the Euler update of the step
+ * that ended, then the next step's input Linear from the updated x_t (the first of Pi0's action-time MLP, Pi0.5's
+ * action_in_proj).
+ *   x_t_next = x_t + gate * (r . x . out_w^T + out_bias)   r: x's RMSNorm factor, x scaled by in_scale first
+ *                                                          (Pi0.5's adaptive norm) as skinny_args describes
+ *   next     = act(x_t_next . next_w^T + next_bias)      act: swish or none; next_f32 and/or next_bf16 (rows, next_n)
+ * The update is the skinny Linear's (n = action_dim, k = width, rms_norm, SKINNY_RESIDUAL) to the bit, and the next
+ * Linear is pi0_cuda_linear_small_k's to the bit; every block computes the whole update (its 64 KB of weights at
+ * Pi0's dims loaded before the wait) and a slice of the next Linear. Without next_w, the update alone, which may
+ * write x_t in place; with it, x_t_next must be another buffer (the blocks all read x_t). A programmatic dependent
+ * unless plain_launch, as skinny_args says.
+ */
+typedef struct {
+    int rows, width, action_dim;  /* rows <= 16, action_dim <= 32 (a multiple of 8 with next_w) */
+    const pi0_bf16 *x;            /* (rows, width) the expert's action rows */
+    const pi0_bf16 *out_w;        /* (action_dim, width) action_out_proj (Pi0: the final norm's 1 + w folded in) */
+    const pi0_bf16 *in_scale;     /* (width) Pi0.5: bf16(1 + scale) of the final norm; NULL: none */
+    const float *out_bias, *gate; /* (action_dim) each */
+    float eps;
+    const float *x_t;             /* (rows, action_dim) */
+    float *x_t_next;              /* (rows, action_dim) */
+    const pi0_bf16 *next_w;       /* (next_n, action_dim); NULL: the update only */
+    const float *next_bias;       /* (next_n) or NULL */
+    int next_n, swish;
+    float *next_f32;              /* (rows, next_n) or NULL */
+    pi0_bf16 *next_bf16;          /* (rows, next_n) or NULL */
+    int plain_launch;
+} skinny_euler_args;
+
+int pi0_cuda_skinny_euler_supported(const skinny_euler_args *a);
+
+/* cudaErrorInvalidValue when not supported, else the launch error. */
+cudaError_t pi0_cuda_skinny_euler(const skinny_euler_args *a, cudaStream_t stream);
+
 /* Whether the kernels take these arguments: k a multiple of 8, 16-byte aligned x and w, n even for
  * GELU_MUL, n matching the heads for ROPE_QKV, the outputs of the epilogue present. (Any m works; past 32 rows w is re-read per 32.) */
 int pi0_cuda_skinny_supported(const skinny_args *a);

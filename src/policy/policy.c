@@ -14,6 +14,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,10 +30,93 @@
 
 #define MAX_ASSET_DEPTH 8   /* how deep under assets/ to look for norm_stats.json */
 
-/* One observation made model input (pi0_policy_prepare): one allocation holding the model cameras' frames,
- * the prompt and the state. The frames are openpi's uint8 HWC, as the robot sent them; the backend resizes
+/*
+ * Where prepared observations live: blocks of pi0_host_alloc's memory, page-locked when there is a GPU, so that the
+ * CUDA backend sends their frames to the device from where they are instead of copying them into its staging buffer
+ * first (0.05 ms a call for two 256 x 256 frames, 0.2 ms for two 480 x 640, on an H200: bench/NOTES.md, session 39).
+ * The driver is slow to lock and unlock memory (and cudaFreeHost waits for the device), so a freed block waits here
+ * for the next observation, up to POOL_BLOCKS of them. The policy and every block out of the pool hold a reference,
+ * so that an observation freed after pi0_policy_free still has a pool to go back to.
+ */
+#define POOL_BLOCKS 16
+
+typedef struct {
+    pthread_mutex_t lock;
+    int refs;  /* the policy's, and one per block out of the pool */
+    int count; /* free blocks */
+    void *block[POOL_BLOCKS];
+    size_t size[POOL_BLOCKS];
+} block_pool;
+
+static block_pool *pool_new(void) {
+    block_pool *pool = calloc(1, sizeof *pool);
+    if (pool && pthread_mutex_init(&pool->lock, NULL)) free(pool), pool = NULL;
+    if (pool) pool->refs = 1;
+    return pool;
+}
+
+/* Drops a reference; the last one frees the pool and its free blocks. Called with the lock held. */
+static void pool_unref_locked(block_pool *pool) {
+    if (--pool->refs > 0) {
+        pthread_mutex_unlock(&pool->lock);
+        return;
+    }
+    for (int i = 0; i < pool->count; i++) pi0_host_free(pool->block[i]);
+    pthread_mutex_unlock(&pool->lock);
+    pthread_mutex_destroy(&pool->lock);
+    free(pool);
+}
+
+static void pool_release(block_pool *pool) {
+    if (!pool) return;
+    pthread_mutex_lock(&pool->lock);
+    pool_unref_locked(pool);
+}
+
+/* A block of at least `bytes` (its size in *size): the smallest free one that holds them, else a new one. */
+static void *pool_get(block_pool *pool, size_t bytes, size_t *size) {
+    pthread_mutex_lock(&pool->lock);
+    int best = -1;
+    for (int i = 0; i < pool->count; i++)
+        if (pool->size[i] >= bytes && (best < 0 || pool->size[i] < pool->size[best])) best = i;
+    void *block = NULL;
+    if (best >= 0) {
+        block = pool->block[best], *size = pool->size[best];
+        pool->count--;
+        pool->block[best] = pool->block[pool->count], pool->size[best] = pool->size[pool->count];
+    }
+    pool->refs++;
+    pthread_mutex_unlock(&pool->lock);
+    if (!block && (block = pi0_host_alloc(bytes))) *size = bytes;
+    if (!block) pool_release(pool);
+    return block;
+}
+
+/* A block back to the pool (freed when the pool is full or closing). */
+static void pool_put(block_pool *pool, void *block, size_t size) {
+    pthread_mutex_lock(&pool->lock);
+    if (pool->count < POOL_BLOCKS && pool->refs > 1) {
+        pool->block[pool->count] = block, pool->size[pool->count] = size;
+        pool->count++;
+        block = NULL;
+    }
+    pool_unref_locked(pool);
+    pi0_host_free(block);
+}
+
+static int pool_count(block_pool *pool) {
+    pthread_mutex_lock(&pool->lock);
+    int count = pool->count;
+    pthread_mutex_unlock(&pool->lock);
+    return count;
+}
+
+/* One observation made model input (pi0_policy_prepare): one block of the policy's pool holding the model cameras'
+ * frames, the prompt and the state. The frames are openpi's uint8 HWC, as the robot sent them; the backend resizes
  * them (pi0_batch.frames), the CUDA backend on the GPU. */
 struct pi0_prepared {
+    block_pool *pool;      /* where the block goes back (pi0_prepared_free) */
+    size_t block_size;
     pi0_error error;       /* error.status != PI0_OK: this observation failed; nothing else is set */
     pi0_frame frames[PI0_ADAPTER_MAX_CAMERAS]; /* per model camera; pixels NULL for a missing optional camera */
     uint8_t *camera_valid; /* [cameras] */
@@ -63,6 +147,7 @@ struct pi0_policy {
     float *state, *noise, *actions;
     int *source;        /* batch slot -> index of the observation */
     pi0_prepared **owned; /* pi0_policy_infer's own prepared observations */
+    block_pool *pool;     /* the prepared observations' blocks */
 };
 
 /* ---- opening ------------------------------------------------------------------------------------------- */
@@ -82,11 +167,13 @@ void pi0_policy_free(pi0_policy *p) {
     pi0_adapter_free(p->adapter);
     pi0_tokenizer_free(p->tokenizer);
     pi0_norm_stats_free(&p->stats);
+    pool_release(p->pool);
     free(p);
 }
 
 const pi0_model *pi0_policy_model(const pi0_policy *p) { return p ? p->model : NULL; }
 const pi0_adapter *pi0_policy_adapter(const pi0_policy *p) { return p ? p->adapter : NULL; }
+int pi0_policy_pooled_blocks(const pi0_policy *p) { return p ? pool_count(p->pool) : 0; }
 int pi0_policy_horizon(const pi0_policy *p) { return p ? p->horizon : 0; }
 int pi0_policy_action_dims(const pi0_policy *p) { return p ? p->adapter->action_dims : 0; }
 const char *pi0_policy_adapter_name(const pi0_policy *p) { return p && p->adapter->name ? p->adapter->name : "?"; }
@@ -134,6 +221,7 @@ pi0_status pi0_policy_create(pi0_model *model, pi0_adapter *adapter, pi0_tokeniz
     }
     if (out) *out = NULL;
     pi0_status st = PI0_OK;
+    if (p && !(p->pool = pool_new())) pi0_policy_free(p), p = NULL;
     if (!p) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory for the policy");
     if (!model || !adapter || !tokenizer || !norm_stats || !out) {
         st = pi0_fail(err, PI0_ERR_INVALID_ARGUMENT, "policy: NULL model, adapter, tokenizer, norm stats or output");
@@ -539,11 +627,13 @@ pi0_status pi0_policy_prepare(const pi0_policy *p, const pi0_observation *obs, p
     /* one block: the struct, then float state, double state, int32 ids, then the byte arrays and the frames */
     size_t bytes = sizeof(pi0_prepared) + A * sizeof(float) + A * sizeof(double) + L * sizeof(int32_t) + L + C + 64 +
                    (st ? 0 : frame_bytes);
-    char *block = malloc(bytes);
+    size_t block_size = 0;
+    char *block = pool_get(p->pool, bytes, &block_size);
     *out = (pi0_prepared *)block;
     if (!block) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing an observation");
     memset(block, 0, bytes - (st ? 0 : frame_bytes)); /* the frames are written over */
     pi0_prepared *pr = *out;
+    pr->pool = p->pool, pr->block_size = block_size;
     char *at = block + (sizeof(pi0_prepared) + 15) / 16 * 16;
     pr->state_f64 = (double *)at, at += A * sizeof(double);
     pr->state = (float *)at, at += A * sizeof(float);
@@ -567,7 +657,7 @@ pi0_status pi0_policy_prepare(const pi0_policy *p, const pi0_observation *obs, p
 }
 
 void pi0_prepared_free(pi0_prepared *prepared) {
-    free(prepared);
+    if (prepared) pool_put(prepared->pool, prepared, prepared->block_size);
 }
 
 /* ---- the batch ----------------------------------------------------------------------------------------- */

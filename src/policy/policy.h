@@ -32,4 +32,7 @@ pi0_status pi0_policy_create(pi0_model *model, pi0_adapter *adapter, pi0_tokeniz
 
 const pi0_adapter *pi0_policy_adapter(const pi0_policy *p);
 
+/* The blocks waiting in the policy's pool for the next prepared observation (policy.c's block_pool). */
+int pi0_policy_pooled_blocks(const pi0_policy *p);
+
 #endif

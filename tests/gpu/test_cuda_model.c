@@ -436,6 +436,65 @@ TEST(first_step_beside_prefix_full_size) {
     beside_equals_serial(pi0_dims_pi0(), 1, 50);
 }
 
+/* The step boundary as one kernel (forward.c's euler_boundary) gives, bit for bit, the actions of the kernels it
+ * replaces (PI0_FUSED_EULER=0): the same sums in the same order, so a difference is a wrong buffer (x_t after an odd
+ * or even step count, Pi0.5's alternating bf16 rows) or a missing dependency. Step counts 10, 3 and 1 (the update alone
+ * at the first step), each eagerly and then replayed; horizon 16 is the last the kernel takes, 17 keeps the separate
+ * kernels (the flag is checked both ways). */
+static void fused_euler_equals_separate(pi0_dims dims, int H) {
+    dims.action_horizon = H;
+    pi0_options opts = {.backend = PI0_BACKEND_CUDA};
+    pi0_model *fused = NULL, *separate = NULL;
+    pi0_error err = {0};
+    setenv("PI0_GEMM_TUNE", "0", 1);
+    pi0_status st = pi0_model_random(&dims, 11, &opts, &fused, &err);
+    setenv("PI0_FUSED_EULER", "0", 1);
+    if (!st) st = pi0_model_random(&dims, 11, &opts, &separate, &err);
+    unsetenv("PI0_FUSED_EULER"), unsetenv("PI0_GEMM_TUNE");
+    REQUIRE(st == PI0_OK, "%s", err.message);
+    enum { P = 24 };
+    int A = dims.action_dim;
+    size_t image = (size_t)dims.image_size * dims.image_size * 3, n = (size_t)H * A;
+    float *imgs[2], *state = malloc(A * 4), *noise = malloc(n * 4), *got = malloc(n * 4), *ref = malloc(n * 4);
+    const float *ptrs[2];
+    uint8_t masks[2] = {1, 1}, id_mask[P];
+    int32_t ids[P];
+    for (int c = 0; c < 2; c++) ptrs[c] = imgs[c] = malloc(image * sizeof(float));
+    pi0_batch batch = {.batch = 1, .num_cameras = 2, .images = ptrs, .image_masks = masks, .prompt_len = P,
+                       .prompt_ids = ids, .prompt_mask = id_mask, .state = state, .horizon = H, .noise = noise};
+    const int steps[] = {10, 3, 1};
+    for (int call = 0; call < 6; call++) {
+        batch.num_steps = steps[call % 3];
+        for (int c = 0; c < 2; c++) fill_uniform(imgs[c], image, 1.0f);
+        for (int i = 0; i < P; i++) ids[i] = (int32_t)((gpu_uniform() + 1) * 0.499f * dims.vocab_size), id_mask[i] = 1;
+        fill_uniform(state, A, 1.0f), fill_uniform(noise, n, 1.5f);
+        REQUIRE(pi0_sample_actions(separate, &batch, ref, NULL, &err) == PI0_OK, "%s", err.message);
+        REQUIRE(pi0_sample_actions(fused, &batch, got, NULL, &err) == PI0_OK, "%s", err.message);
+        CHECK(memcmp(got, ref, n * 4) == 0, "%s H %d steps %d call %d: fused step boundary differs (rel %.3g)",
+              pi0_model_kind_name(dims.kind), H, batch.num_steps, call, rel_error(got, ref, n));
+    }
+    const cuda_state *with = fused->backend_state, *without = separate->backend_state;
+    CHECK(with->num_graphs == 3 && without->num_graphs == 3, "a graph per step count");
+    for (int i = 0; i < with->num_graphs; i++)
+        CHECK(with->graphs[i]->fused_euler == (H <= 16), "H %d graph %d: fused_euler %d", H, i, with->graphs[i]->fused_euler);
+    for (int i = 0; i < without->num_graphs; i++) CHECK(!without->graphs[i]->fused_euler, "PI0_FUSED_EULER=0: fused");
+    for (int c = 0; c < 2; c++) free(imgs[c]);
+    free(state), free(noise), free(got), free(ref);
+    pi0_model_free(fused), pi0_model_free(separate);
+}
+
+TEST(fused_euler_pi0) {
+    fused_euler_equals_separate(small_dims(PI0_MODEL_PI0), 10);
+    fused_euler_equals_separate(small_dims(PI0_MODEL_PI0), 16);
+    fused_euler_equals_separate(small_dims(PI0_MODEL_PI0), 17);
+    fused_euler_equals_separate(pi0_dims_pi0(), 10);
+}
+TEST(fused_euler_pi05) {
+    fused_euler_equals_separate(small_dims(PI0_MODEL_PI05), 10);
+    fused_euler_equals_separate(small_dims(PI0_MODEL_PI05), 16);
+    fused_euler_equals_separate(pi0_dims_pi05(), 10);
+}
+
 /* More shapes than the cache holds (PI0_CUDA_MAX_GRAPHS=4), alternating step counts and batch sizes (the
  * workspace grows, dropping the graphs made so far): each result stays what it was the first time. */
 TEST(graph_cache_many_shapes) {
@@ -486,9 +545,38 @@ static void make_frames(fixture_io *f, const int (*sizes)[2], int nsizes, int of
     }
 }
 
+/* The batch's frames with every other one copied into page-locked memory (pi0_host_alloc), which the backend sends
+ * from where it is rather than staging it: the same actions as `want`, to the bit. */
+static void pinned_frames_equal(pi0_model *gpu, pi0_batch b, const pi0_frame *frames, int count, const float *want,
+                                int call) {
+    pi0_frame locked[3 * 64];
+    size_t n = actions_len(&b);
+    float *got = malloc(n * 4);
+    memcpy(locked, frames, sizeof(pi0_frame) * count);
+    for (int i = 0; i < count; i += 2) {
+        if (!frames[i].pixels) continue;
+        size_t bytes = (size_t)frames[i].height * frames[i].width * 3;
+        uint8_t *px = pi0_host_alloc(bytes);
+        REQUIRE(px, "pi0_host_alloc");
+        struct cudaPointerAttributes a;
+        REQUIRE(cudaPointerGetAttributes(&a, px) == cudaSuccess && a.type == cudaMemoryTypeHost,
+                "pi0_host_alloc's memory is not page-locked: the test would not take the pinned path");
+        memcpy(px, frames[i].pixels, bytes);
+        locked[i].pixels = px;
+    }
+    b.images = NULL, b.frames = locked;
+    pi0_error err = {0};
+    REQUIRE(pi0_sample_actions(gpu, &b, got, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(memcmp(got, want, n * 4) == 0, "call %d: pinned frames give other actions (%.3g)", call, rel_error(got, want, n));
+    for (int i = 0; i < count; i += 2)
+        if (frames[i].pixels) pi0_host_free((void *)locked[i].pixels);
+    free(got);
+}
+
 /* Camera frames (pi0_batch.frames) resized on the GPU give, bit for bit, the actions of the images the host
  * makes of them: eager, replayed, replayed with frames of other sizes and contents (the graph reads each call's
- * frames), and in uniform mode; and the CPU backend's actions for the same frames within the bf16 tolerance. */
+ * frames), and in uniform mode, from malloc's memory and (pinned_frames_equal) page-locked memory; and the CPU
+ * backend's actions for the same frames within the bf16 tolerance. */
 TEST(frames_resized_on_gpu_equal_host_images) {
     fixture_io f;
     REQUIRE(io_open(&f, "pi0_tiny") == 0);
@@ -509,6 +597,7 @@ TEST(frames_resized_on_gpu_equal_host_images) {
         REQUIRE(pi0_sample_actions(gpu, &b, from_frames, NULL, &err) == PI0_OK, "%s", err.message);
         CHECK(memcmp(from_images, from_frames, n * 4) == 0, "call %d%s: frames differ from their host images (%.3g)", call,
               b.uniform_shape ? " (uniform)" : "", rel_error(from_frames, from_images, n));
+        pinned_frames_equal(gpu, b, frames, b.batch * b.num_cameras, from_frames, call);
         REQUIRE(pi0_sample_actions(cpu, &b, on_cpu, NULL, &err) == PI0_OK, "%s", err.message);
         double e = rel_error(from_frames, on_cpu, n);
         fprintf(stderr, "  call %d: frames on the GPU vs the CPU backend %.3g\n", call, e);
@@ -733,6 +822,8 @@ int main(int argc, char **argv) {
     RUN(first_step_beside_prefix_pi0);
     RUN(first_step_beside_prefix_pi05);
     RUN(first_step_beside_prefix_full_size);
+    RUN(fused_euler_pi0);
+    RUN(fused_euler_pi05);
     RUN(graph_cache_many_shapes);
     RUN(frames_resized_on_gpu_equal_host_images);
     RUN(bad_input_on_cuda);

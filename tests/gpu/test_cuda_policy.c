@@ -153,12 +153,43 @@ static void no_capture_after_warmup(pi0_model_kind kind) {
     pi0_policy_free(gpu), pi0_policy_free(cpu);
 }
 
+/* A prepared observation is one block of page-locked memory (the policy's pool of pi0_host_alloc blocks), so the
+ * backend sends its frames to the GPU from where they are; its actions are the CPU policy's within the tolerance, and
+ * the same to the bit when its block is reused for the same observation. */
+TEST(prepared_frames_are_page_locked) {
+    pi0_policy *gpu = open_policy(PI0_MODEL_PI0, PI0_BACKEND_CUDA), *cpu = open_policy(PI0_MODEL_PI0, PI0_BACKEND_CPU);
+    REQUIRE(gpu && cpu);
+    pi0_error err = {0};
+    pi0_observation obs = {0};
+    random_observation(&obs, 2, 0); /* 640 x 480 frames */
+    const pi0_observation *list[1] = {&obs};
+    uint64_t seed = 3;
+    pi0_policy_result got[2], want;
+    for (int i = 0; i < 2; i++) {
+        pi0_prepared *pr = NULL;
+        REQUIRE(pi0_policy_prepare(gpu, &obs, &pr, &err) == PI0_OK, "%s", err.message);
+        struct cudaPointerAttributes a;
+        CHECK(cudaPointerGetAttributes(&a, pr) == cudaSuccess && a.type == cudaMemoryTypeHost,
+              "a prepared observation is not in page-locked memory");
+        const pi0_prepared *one[1] = {pr};
+        REQUIRE(pi0_policy_infer_prepared(gpu, one, &seed, 1, &got[i], &err) == PI0_OK, "%s", err.message);
+        pi0_prepared_free(pr);
+    }
+    REQUIRE(pi0_policy_infer(cpu, list, &seed, 1, &want, NULL, &err) == PI0_OK, "%s", err.message);
+    CHECK(worst_diff(&got[1], &got[0]) == 0, "the reused block gives other actions");
+    CHECK(worst_diff(&got[0], &want) < TOL, "GPU vs CPU policy: %.3g", worst_diff(&got[0], &want));
+    pi0_policy_result_free(&got[0]), pi0_policy_result_free(&got[1]), pi0_policy_result_free(&want);
+    pi0_observation_free(&obs);
+    pi0_policy_free(gpu), pi0_policy_free(cpu);
+}
+
 TEST(pi0_no_capture_after_warmup) { no_capture_after_warmup(PI0_MODEL_PI0); }
 TEST(pi05_no_capture_after_warmup) { no_capture_after_warmup(PI0_MODEL_PI05); }
 
 int main(int argc, char **argv) {
     check_init(argc, argv);
     gpu_seed();
+    RUN(prepared_frames_are_page_locked);
     RUN(pi0_no_capture_after_warmup);
     RUN(pi05_no_capture_after_warmup);
     return check_finish();

@@ -5,9 +5,11 @@
  * not multiples of the block's tile, k not a multiple of the 32-wide chunk), the fused RoPE and K/V
  * cache writes against the CPU's RoPE, Pi0.5's adaptive-norm inputs (x scaled by 1 + in_scale, a column
  * bias) and gated residual, plus repeatability, untouched memory past the outputs, and the arguments it
- * must refuse.
+ * must refuse. The step boundary's fused Euler update (pi0_cuda_skinny_euler) against the same loop and, at the
+ * expert's width, against the two kernels it replaces, bit for bit.
  */
 #include "cpu/ops.h"
+#include "cuda/kernels.h"
 #include "cuda/skinny.h"
 #include "gpu_check.h"
 
@@ -316,6 +318,190 @@ TEST(refuses_what_it_cannot_run) {
     cudaFree(buf), cudaFree(res);
 }
 
+/* pi0_cuda_skinny_euler: rows x action_dim of x_t updated from rows x width of x (adaptive: Pi0.5's in_scale and
+ * per-column bias; else Pi0's folded norm with a plain bias), then the next Linear of next_n columns (0: none, the
+ * update alone, in place) with swish and bf16 out (Pi0) or float32 and bf16 out (Pi0.5). Against a double loop over
+ * the same bf16 operands; at width 1024 (where the skinny kernel runs the update with the fused kernel's 8 warps of 4
+ * chunks) also against pi0_cuda_skinny_linear then pi0_cuda_linear_small_k, to the bit. */
+static void euler_case(int rows, int width, int A, int adaptive, int next_n) {
+    const int swish = next_n && !adaptive, in_place = next_n == 0;
+    float *x = malloc((size_t)rows * width * 4), *w = malloc((size_t)A * width * 4), *xt = malloc((size_t)rows * A * 4);
+    float *bias = malloc((size_t)A * 4), *gate = malloc((size_t)A * 4), *scale = malloc((size_t)width * 4);
+    float *nw = malloc((size_t)(next_n + 1) * A * 4), *nbias = malloc((size_t)(next_n + 1) * 4);
+    fill_uniform(x, (size_t)rows * width, 6.0f);
+    fill_uniform(w, (size_t)A * width, 1.0f / sqrtf((float)width));
+    fill_uniform(xt, (size_t)rows * A, 2.0f);
+    fill_uniform(bias, A, 1.0f);
+    for (int j = 0; j < A; j++) gate[j] = -0.1f; /* dt: 10 steps */
+    fill_uniform(scale, width, 0.8f);
+    fill_uniform(nw, (size_t)next_n * A, 1.0f / sqrtf((float)A));
+    fill_uniform(nbias, next_n, 1.0f);
+    uint16_t *xb = to_bf16_rounding(x, (size_t)rows * width), *wb = to_bf16_rounding(w, (size_t)A * width);
+    uint16_t *nwb = to_bf16_rounding(nw, (size_t)next_n * A), *sb = malloc((size_t)width * 2);
+    for (int t = 0; t < width; t++) sb[t] = bf16_bits(1.0f + scale[t]);
+
+    /* oracle: the norm's statistics from the bf16 x, x scaled (and rounded, as the kernel does) by 1 + scale */
+    float *ref_xt = malloc((size_t)rows * A * 4), *ref_next = malloc((size_t)(rows * next_n + 1) * 4);
+    for (int i = 0; i < rows; i++) {
+        double ss = 0;
+        for (int t = 0; t < width; t++) ss += (double)x[(size_t)i * width + t] * x[(size_t)i * width + t];
+        double r = 1 / sqrt(ss / width + 1e-6);
+        for (int j = 0; j < A; j++) {
+            double acc = 0;
+            for (int t = 0; t < width; t++) {
+                float xv = x[(size_t)i * width + t];
+                if (adaptive) xv = bf16_value(bf16_bits(xv * bf16_value(sb[t])));
+                acc += (double)xv * w[(size_t)j * width + t];
+            }
+            ref_xt[(size_t)i * A + j] = (float)(xt[(size_t)i * A + j] + gate[j] * (acc * r + bias[j]));
+        }
+        for (int c = 0; c < next_n; c++) {
+            double v = nbias[c];
+            for (int j = 0; j < A; j++) v += (double)ref_xt[(size_t)i * A + j] * nw[(size_t)c * A + j];
+            if (swish) v = v / (1 + exp(-v));
+            ref_next[(size_t)i * next_n + c] = (float)v;
+        }
+    }
+
+    pi0_bf16 *dx = dev_upload(xb, (size_t)rows * width * 2), *dw = dev_upload(wb, (size_t)A * width * 2);
+    pi0_bf16 *dscale = adaptive ? dev_upload(sb, (size_t)width * 2) : NULL;
+    pi0_bf16 *dnw = next_n ? dev_upload(nwb, (size_t)next_n * A * 2) : NULL;
+    float *dbias = dev_upload(bias, (size_t)A * 4), *dgate = dev_upload(gate, (size_t)A * 4);
+    float *dnbias = next_n ? dev_upload(nbias, (size_t)next_n * 4) : NULL;
+    float *dxt = dev_upload(NULL, ((size_t)rows * A + GUARD) * 4), *dxt_next = dev_poisoned(((size_t)rows * A + GUARD) * 4);
+    const size_t out_n = (size_t)rows * next_n;
+    float *dnext_f32 = next_n && adaptive ? dev_poisoned((out_n + GUARD) * 4) : NULL;
+    pi0_bf16 *dnext_bf16 = next_n ? dev_poisoned((out_n + GUARD) * 2) : NULL;
+    REQUIRE(dx && dw && dbias && dgate && dxt && dxt_next, "device allocation");
+    skinny_euler_args a = {.rows = rows, .width = width, .action_dim = A, .x = dx, .out_w = dw, .in_scale = dscale,
+                           .out_bias = dbias, .gate = dgate, .eps = 1e-6f, .x_t = dxt,
+                           .x_t_next = in_place ? dxt : dxt_next, .next_w = dnw, .next_bias = dnbias, .next_n = next_n,
+                           .swish = swish, .next_f32 = dnext_f32, .next_bf16 = dnext_bf16};
+    CHECK(pi0_cuda_skinny_euler_supported(&a), "euler rows %d width %d A %d next %d refused", rows, width, A, next_n);
+    float *got_xt[2] = {NULL, NULL}, *got_f32[2] = {NULL, NULL};
+    uint16_t *got_bf16[2] = {NULL, NULL};
+    for (int run = 0; run < 2; run++) { /* twice from the same inputs: bitwise repeatable */
+        CUDA_OK(cudaMemcpy(dxt, xt, (size_t)rows * A * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(pi0_cuda_skinny_euler(&a, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        got_xt[run] = download_f32(a.x_t_next, (size_t)rows * A + GUARD);
+        if (dnext_f32) got_f32[run] = download_f32(dnext_f32, out_n + GUARD);
+        if (dnext_bf16) {
+            got_bf16[run] = malloc((out_n + GUARD) * 2);
+            CUDA_OK(cudaMemcpy(got_bf16[run], dnext_bf16, (out_n + GUARD) * 2, cudaMemcpyDeviceToHost));
+        }
+    }
+    double e = rel_error(got_xt[0], ref_xt, (size_t)rows * A);
+    CHECK(e <= 1e-5, "euler rows %d width %d A %d adaptive %d: x_t error %.3g", rows, width, A, adaptive, e);
+    CHECK(!memcmp(got_xt[0], got_xt[1], (size_t)rows * A * 4), "euler rows %d width %d: two runs differ", rows, width);
+    if (!in_place) {
+        int poisoned = 1;
+        for (int i = 0; i < GUARD; i++) poisoned &= ((uint32_t *)got_xt[0])[(size_t)rows * A + i] == 0xffffffffu;
+        CHECK(poisoned, "euler rows %d width %d A %d: wrote past x_t_next", rows, width, A);
+    }
+    if (next_n) {
+        float *as_f32 = malloc(out_n * 4 + 4);
+        for (size_t i = 0; i < out_n; i++) as_f32[i] = bf16_value(got_bf16[0][i]);
+        e = rel_error(as_f32, ref_next, out_n);
+        CHECK(e <= 1e-2, "euler rows %d width %d next %d swish %d: next (bf16) error %.3g", rows, width, next_n, swish, e);
+        CHECK(!memcmp(got_bf16[0], got_bf16[1], out_n * 2) && poisoned_bf16(got_bf16[0] + out_n, GUARD),
+              "euler rows %d next %d: the bf16 rows differ run to run or were written past", rows, next_n);
+        if (got_f32[0]) {
+            int rounds = 1, poisoned = 1;
+            for (size_t i = 0; i < out_n; i++) rounds &= got_bf16[0][i] == bf16_bits(got_f32[0][i]);
+            for (int i = 0; i < GUARD; i++) poisoned &= ((uint32_t *)got_f32[0])[out_n + i] == 0xffffffffu;
+            e = rel_error(got_f32[0], ref_next, out_n);
+            CHECK(e <= 1e-5 && rounds && poisoned, "euler rows %d next %d: float32 rows error %.3g, rounding %d, guard %d",
+                  rows, next_n, e, rounds, poisoned);
+        }
+        free(as_f32);
+    }
+
+    if (width == 1024) { /* the kernels it replaces: the skinny update, then linear_small_k */
+        pi0_bf16 *dres_bf16 = dev_upload(NULL, (size_t)rows * A * 2);
+        float *dsep_f32 = dnext_f32 ? dev_poisoned((out_n + GUARD) * 4) : NULL;
+        pi0_bf16 *dsep_bf16 = next_n ? dev_poisoned((out_n + GUARD) * 2) : NULL;
+        CUDA_OK(cudaMemcpy(dxt, xt, (size_t)rows * A * 4, cudaMemcpyHostToDevice));
+        skinny_args u = {.m = rows, .n = A, .k = width, .x = dx, .w = dw, .rms_norm = 1, .eps = 1e-6f, .in_scale = dscale,
+                         .col_bias = dbias, .epilogue = SKINNY_RESIDUAL, .residual = dxt, .residual_bf16 = dres_bf16,
+                         .gate = dgate};
+        CUDA_OK(pi0_cuda_skinny_linear(&u, 0));
+        if (next_n)
+            CUDA_OK(pi0_cuda_linear_small_k(dnext_f32 ? dsep_f32 : NULL, dsep_bf16, dxt, dnw, dnbias, rows, A, next_n, swish, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        float *sep_xt = download_f32(dxt, (size_t)rows * A);
+        CHECK(!memcmp(sep_xt, got_xt[0], (size_t)rows * A * 4), "euler rows %d A %d adaptive %d: x_t differs from the "
+              "skinny update's", rows, A, adaptive);
+        if (next_n) {
+            uint16_t *sep_bits = malloc(out_n * 2);
+            CUDA_OK(cudaMemcpy(sep_bits, dsep_bf16, out_n * 2, cudaMemcpyDeviceToHost));
+            CHECK(!memcmp(sep_bits, got_bf16[0], out_n * 2), "euler rows %d next %d: differs from linear_small_k's", rows,
+                  next_n);
+            free(sep_bits);
+        }
+        if (dsep_f32) {
+            float *sep = download_f32(dsep_f32, out_n);
+            CHECK(!memcmp(sep, got_f32[0], out_n * 4), "euler rows %d next %d: float32 rows differ from linear_small_k's",
+                  rows, next_n);
+            free(sep);
+        }
+        free(sep_xt);
+        cudaFree(dres_bf16), cudaFree(dsep_f32), cudaFree(dsep_bf16);
+    }
+    for (int run = 0; run < 2; run++) free(got_xt[run]), free(got_f32[run]), free(got_bf16[run]);
+    free(x), free(w), free(xt), free(bias), free(gate), free(scale), free(nw), free(nbias), free(xb), free(wb), free(nwb);
+    free(sb), free(ref_xt), free(ref_next);
+    cudaFree(dx), cudaFree(dw), cudaFree(dscale), cudaFree(dnw), cudaFree(dbias), cudaFree(dgate), cudaFree(dnbias);
+    cudaFree(dxt), cudaFree(dxt_next), cudaFree(dnext_f32), cudaFree(dnext_bf16);
+}
+
+TEST(euler_step) {
+    euler_case(10, 1024, 32, 0, 1024); /* Pi0 at horizon 10: the time MLP's hidden rows, swish */
+    euler_case(10, 1024, 32, 1, 1024); /* Pi0.5: action_in_proj into the suffix */
+    euler_case(10, 1024, 32, 0, 0);    /* the last step: the update alone, in place */
+    euler_case(10, 1024, 32, 1, 0);
+    const int rows[] = {1, 7, 16};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        euler_case(rows[i], 1024, 32, i % 2, 100);   /* a last block of the next Linear part full */
+        euler_case(rows[i], 1024, 24, 1 - i % 2, 1); /* fewer action columns than the block's four n8 tiles */
+        euler_case(rows[i], 200, 8, 0, 65);          /* k below a pass, with a tail */
+        euler_case(rows[i], 1032, 16, 1, 64);        /* a second pass over k */
+        euler_case(rows[i], 64, 7, 1, 0);            /* an odd action_dim, the update alone */
+    }
+}
+
+TEST(euler_refuses_what_it_cannot_run) {
+    pi0_bf16 *buf = dev_upload(NULL, 1 << 20);
+    float *f = dev_upload(NULL, 1 << 20);
+    REQUIRE(buf && f, "device allocation");
+    skinny_euler_args ok = {.rows = 10, .width = 1024, .action_dim = 32, .x = buf, .out_w = buf + 65536, .out_bias = f,
+                            .gate = f + 64, .x_t = f + 1024, .x_t_next = f + 2048, .next_w = buf + 131072,
+                            .next_n = 1024, .next_bf16 = buf + 196608};
+    CHECK(pi0_cuda_skinny_euler_supported(&ok), "a valid call was refused");
+    skinny_euler_args bad = ok;
+    bad.rows = 17;
+    CHECK(pi0_cuda_skinny_euler(&bad, 0) == cudaErrorInvalidValue, "17 rows accepted");
+    bad = ok, bad.action_dim = 33;
+    CHECK(pi0_cuda_skinny_euler(&bad, 0) == cudaErrorInvalidValue, "33 action columns accepted");
+    bad = ok, bad.action_dim = 12;
+    CHECK(pi0_cuda_skinny_euler(&bad, 0) == cudaErrorInvalidValue, "a next Linear with k not a multiple of 8 accepted");
+    bad = ok, bad.x_t = bad.x_t_next;
+    CHECK(pi0_cuda_skinny_euler(&bad, 0) == cudaErrorInvalidValue, "x_t in place with a next Linear accepted");
+    bad = ok, bad.width = 1020;
+    CHECK(pi0_cuda_skinny_euler(&bad, 0) == cudaErrorInvalidValue, "width not a multiple of 8 accepted");
+    bad = ok, bad.x = buf + 1;
+    CHECK(pi0_cuda_skinny_euler(&bad, 0) == cudaErrorInvalidValue, "misaligned x accepted");
+    bad = ok, bad.next_bf16 = NULL;
+    CHECK(pi0_cuda_skinny_euler(&bad, 0) == cudaErrorInvalidValue, "a next Linear with no output accepted");
+    bad = ok, bad.gate = NULL;
+    CHECK(pi0_cuda_skinny_euler(&bad, 0) == cudaErrorInvalidValue, "no gate accepted");
+    CHECK(pi0_cuda_skinny_euler(NULL, 0) == cudaErrorInvalidValue, "NULL arguments accepted");
+    bad = ok, bad.next_w = NULL, bad.x_t = bad.x_t_next;
+    CHECK(pi0_cuda_skinny_euler_supported(&bad), "the update alone in place was refused");
+    CUDA_OK(cudaDeviceSynchronize());
+    cudaFree(buf), cudaFree(f);
+}
+
 int main(int argc, char **argv) {
     check_init(argc, argv);
     gpu_seed();
@@ -324,5 +510,7 @@ int main(int argc, char **argv) {
     RUN(awkward_shapes);
     RUN(rope_qkv);
     RUN(refuses_what_it_cannot_run);
+    RUN(euler_step);
+    RUN(euler_refuses_what_it_cannot_run);
     return check_finish();
 }
