@@ -400,7 +400,6 @@ cudaError_t launch(const SkinnyParams &p, const Shape &s, const Launch &l) {
     return p.in_scale ? launch_rows<NT, C, true>(p, s, l) : launch_rows<NT, C, false>(p, s, l);
 }
 
-
 /* ---- the Euler step at a step boundary (skinny_euler_args) ---- */
 
 constexpr int kEulerWarps = 8, kEulerChunks = 4, kEulerTiles = 4; /* the tail's skinny launch: 8 warps of C 4 */
@@ -424,8 +423,8 @@ struct EulerParams {
 
 /*
  * Every block computes the whole update (action_dim columns of up to 16 rows) exactly as the skinny kernel does for
- * n = action_dim with rms_norm and SKINNY_RESIDUAL: the same warps, chunks and fragments, the same order of every sum
- * (so the same bits: the n8 tiles a block of that kernel held one of, this one holds all four); block 0 stores it.
+ * n = action_dim with rms_norm and SKINNY_RESIDUAL: the same warps, chunks and fragments and the same order of every sum
+ * (a block of that kernel holds one of the four n8 tiles, this one all four), so the same bits; block 0 stores it.
  * Then each block computes kEulerNextCols columns of the next Linear from the updated rows in shared memory, as
  * linear_small_k does (kernels.cu: the same float32 sum in k order). The update's weights (64 KB at Pi0's dims), its
  * constants and the next Linear's weight rows are loaded before the wait.

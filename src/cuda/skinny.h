@@ -92,9 +92,10 @@ typedef struct {
  *   x_t_next = x_t + gate * (r . x . out_w^T + out_bias)   r: x's RMSNorm factor, x scaled by in_scale first
  *                                                          (Pi0.5's adaptive norm) as skinny_args describes
  *   next     = act(x_t_next . next_w^T + next_bias)      act: swish or none; next_f32 and/or next_bf16 (rows, next_n)
- * The update is the skinny Linear's (n = action_dim, k = width, rms_norm, SKINNY_RESIDUAL) to the bit, and the next
- * Linear is pi0_cuda_linear_small_k's to the bit; every block computes the whole update (its 64 KB of weights at
- * Pi0's dims loaded before the wait) and a slice of the next Linear. Without next_w, the update alone, which may
+ * The update is the skinny Linear's (n = action_dim, k = width, rms_norm, SKINNY_RESIDUAL) to the bit where that kernel
+ * splits k the same way (Pi0's and Pi0.5's width, 1024, which test_skinny checks; other widths within its tolerance),
+ * and the next Linear is pi0_cuda_linear_small_k's to the bit; every block computes the whole update (its 64 KB of weights at Pi0's dims
+ * loaded before the wait) and a slice of the next Linear. Without next_w, the update alone, which may
  * write x_t in place; with it, x_t_next must be another buffer (the blocks all read x_t). A programmatic dependent
  * unless plain_launch, as skinny_args says.
  */
