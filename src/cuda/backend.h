@@ -104,6 +104,7 @@ typedef struct {
     size_t inputs_size;
     size_t images_size;    /* the inputs' first bytes: the images, which send_images sends image by image (graph.c) */
     size_t outputs_size;   /* image_flags to the end of x_t: what comes back to outputs_host */
+    size_t actions_at;     /* where x_t (the actions) starts in it */
     graph_inputs in, in_host;
     char *outputs_host;    /* after the inputs in the pinned mirror: image_flags, then x_t (the actions) */
     const step_tables *tables;

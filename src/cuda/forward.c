@@ -345,11 +345,6 @@ static int suffix_is_skinny(const cuda_state *s, const pi0_model *m, const cuda_
  * suffix rows the update reads, so its bf16 rows alternate too (suffix_bf16_of). PI0_FUSED_EULER=0: the separate
  * kernels (A/B runs).
  */
-static int fused_euler(const cuda_state *s, const pi0_model *m, const cuda_graph *g) {
-    const pi0_dims *d = &m->dims;
-    return s->use_fused_euler && g->shape.batch == 1 && skinny_fits(s, &d->expert, g->suffix_len) &&
-           g->shape.horizon <= 16 && d->action_dim <= 32 && d->action_dim % 8 == 0 && d->expert.width % 8 == 0;
-}
 
 /* Where x_t lies after `steps` Euler steps (above). */
 static float *x_t_after(const cuda_graph *g, int steps) {
@@ -361,8 +356,8 @@ static pi0_bf16 *suffix_bf16_of(const cuda_graph *g, int step) {
     return g->suffix_bf16_alt && g->fused_euler && step % 2 ? g->suffix_bf16_alt : g->suffix_bf16;
 }
 
-/* The update that ends `step`, with the next step's input Linear unless it is the last. */
-static pi0_status euler_boundary(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, int plain, pi0_error *err) {
+/* The kernel's arguments for the update that ends `step`, with the next step's input Linear unless it is the last. */
+static skinny_euler_args euler_args(const cuda_state *s, const pi0_model *m, const cuda_graph *g, int step, int plain) {
     const pi0_stack_dims *d = &m->dims.expert;
     const gpu_weights *w = &s->w;
     const suffix_rows *rows = step_rows(g, step);
@@ -381,6 +376,23 @@ static pi0_status euler_boundary(cuda_state *s, const pi0_model *m, cuda_graph *
     else if (next < g->shape.num_steps) /* the action half of action_time_mlp_in (suffix_tokens) */
         a.next_w = w->time_fold_w, a.next_bias = g->tables->time_bias + (size_t)next * We, a.next_n = We, a.swish = 1,
         a.next_bf16 = g->time_hidden;
+    return a;
+}
+
+/* g->fused_euler: whether this graph's step boundaries take the kernel. They do for one sample whose layers keep the
+ * bf16 suffix rows (the skinny path) where the kernel takes the first boundary's arguments (the most it is asked: the
+ * next step's Linear too), built as they would be (the buffers follow the flag). */
+static void set_fused_euler(const cuda_state *s, const pi0_model *m, cuda_graph *g) {
+    g->fused_euler = s->use_fused_euler && g->shape.batch == 1 && skinny_fits(s, &m->dims.expert, g->suffix_len);
+    if (g->fused_euler) {
+        skinny_euler_args first = euler_args(s, m, g, 0, 0);
+        g->fused_euler = pi0_cuda_skinny_euler_supported(&first);
+    }
+}
+
+/* The update that ends `step`, with the next step's input Linear unless it is the last. */
+static pi0_status euler_boundary(cuda_state *s, const pi0_model *m, cuda_graph *g, int step, int plain, pi0_error *err) {
+    skinny_euler_args a = euler_args(s, m, g, step, plain);
     CUDA_TRY(pi0_cuda_skinny_euler(&a, s->stream));
     return PI0_OK;
 }
@@ -677,7 +689,7 @@ static cudaError_t record(cudaEvent_t event, cudaStream_t stream) {
 
 pi0_status cuda_forward(cuda_state *s, const pi0_model *m, cuda_graph *g, pi0_error *err) {
     int beside = g->first_step_beside = first_step_beside(s, g);
-    g->fused_euler = fused_euler(s, m, g);
+    set_fused_euler(s, m, g);
     CUDA_TRY(record(g->events[0], s->stream)); /* the inputs are on their way already (graph.c's cuda_sample) */
     TRY(vision_forward(s, m, g, err));
     CUDA_TRY(record(g->events[1], s->stream));

@@ -230,7 +230,8 @@ static pi0_status graph_new(cuda_state *s, const pi0_model *m, const graph_shape
     size_t actions_bytes = (size_t)shape->batch * shape->horizon * d->action_dim * sizeof(float);
     g->inputs_size = inputs.used;
     g->images_size = shape->frames ? 0 : (uintptr_t)g->in.state; /* carved at 0: the offset past the images */
-    g->outputs_size = (uintptr_t)g->in.x_t + actions_bytes - (uintptr_t)g->in.image_flags;
+    g->actions_at = (uintptr_t)g->in.x_t - (uintptr_t)g->in.image_flags;
+    g->outputs_size = g->actions_at + actions_bytes;
     all.used = inputs.used;
     carve_activations(&all, g, d);
     pi0_status st = tables_for(s, m, shape->num_steps, &g->tables, err);
@@ -531,8 +532,7 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
     CUDA_TRY(cudaStreamSynchronize(s->stream));
     CUDA_TRY(cudaGetLastError());
     if (nonfinite_image(g, p)) return plan_name_nonfinite_image(p, &m->dims, err);
-    memcpy(actions, g->outputs_host + ((uintptr_t)g->in.x_t - (uintptr_t)g->in.image_flags),
-           (size_t)p->batch * p->horizon * m->dims.action_dim * sizeof(float));
+    memcpy(actions, g->outputs_host + g->actions_at, (size_t)p->batch * p->horizon * m->dims.action_dim * sizeof(float));
     if (timings) {
         float vision = 0, prefix = 0, denoise = 0;
         CUDA_TRY(cudaEventElapsedTime(&vision, g->events[0], g->events[1]));
