@@ -62,6 +62,7 @@
 #include "cuda/attention.h"
 #include "cuda/device.cuh"
 #include "cuda/hopper.cuh"
+#include "util/switches.h"
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -1035,10 +1036,7 @@ cudaError_t launch(const AttnParams &base, int num_segments, int row_tiles, int 
 
 /* Whether head dims 256 and 72 take the wgmma kernel on the current device: an sm_90a device (hopper.cuh), unless
  * PI0_ATTN_WGMMA=0 (A/B runs). */
-bool use_wgmma(void) {
-    const char *env = getenv("PI0_ATTN_WGMMA");
-    return sm90a_device() && !(env && !strcmp(env, "0"));
-}
+bool use_wgmma(void) { return sm90a_device() && !switched_off("PI0_ATTN_WGMMA"); }
 
 /* Head dim 72 (the ViT). On an H100/H200 (use_wgmma) the wgmma kernel while its grid fits the GPU in one wave (two
  * blocks an SM: 1-4 images; vision 1.60 -> 1.56 ms at 2 on an H100, 1.95 -> 1.93 at 3, bench/NOTES.md session 25).
@@ -1301,10 +1299,7 @@ cudaError_t launch_decode(const AttnParams &p, int num_segments, int num_kv_head
  * and few (segment, kv head) problems; PI0_ATTN_DECODE=0 in the environment turns it off (A/B). */
 bool use_decode(int num_segments, int num_kv_heads, long long rows, int head_dim, size_t workspace_bytes) {
     static int env_off = -1;
-    if (env_off < 0) {
-        const char *env = getenv("PI0_ATTN_DECODE");
-        env_off = env && !strcmp(env, "0");
-    }
+    if (env_off < 0) env_off = switched_off("PI0_ATTN_DECODE");
     const long long problems = (long long)num_segments * num_kv_heads;
     return !env_off && g_split_override == 0 && rows <= kDecodeRows && problems <= kDecodeProblems &&
            workspace_bytes >= decode_workspace_bytes((int)problems, head_dim);

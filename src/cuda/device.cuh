@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "util/switches.h"
+
 /* c (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col) */
 static __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -153,10 +155,7 @@ static __device__ __forceinline__ void pdl_trigger(void) {
 /* Whether the current device takes dependent launches: sm_90+, unless PI0_PDL=0 (A/B runs). */
 static inline int pdl_supported(void) {
     static int env_off = -1;
-    if (env_off < 0) {
-        const char *env = getenv("PI0_PDL");
-        env_off = env && !strcmp(env, "0");
-    }
+    if (env_off < 0) env_off = switched_off("PI0_PDL");
     int dev = 0, major = 0;
     if (env_off || cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {

@@ -6,6 +6,7 @@
 
 #include "cuda/kernels.h"
 #include "util/error.h"
+#include "util/switches.h"
 
 #define WORKSPACE_BYTES (32u << 20)
 #define TUNE_CANDIDATES 10
@@ -27,8 +28,7 @@ pi0_status gemm_init(gemm_context *ctx, pi0_error *err) {
         return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "cannot allocate the cuBLASLt workspace");
     }
     ctx->workspace_size = WORKSPACE_BYTES;
-    const char *tune = getenv("PI0_GEMM_TUNE"); /* "0": take the heuristic's pick, for a faster first call */
-    ctx->tune = !(tune && !strcmp(tune, "0"));
+    ctx->tune = !switched_off("PI0_GEMM_TUNE"); /* "0": take the heuristic's pick, for a faster first call */
     return PI0_OK;
 }
 

@@ -20,6 +20,7 @@
 #include "cuda/attention.h"
 #include "cuda/backend.h"
 #include "util/error.h"
+#include "util/switches.h"
 
 #define ALIGN 256
 
@@ -485,12 +486,16 @@ static pi0_status graph_for(cuda_state *s, const pi0_model *m, const graph_shape
     return PI0_OK;
 }
 
-static int graphs_enabled(void) {
-    const char *env = getenv("PI0_CUDA_GRAPHS");
-    return !(env && !strcmp(env, "0"));
-}
+static int graphs_enabled(void) { return !switched_off("PI0_CUDA_GRAPHS"); }
 
 /* ---- the backend ------------------------------------------------------------------------------- */
+
+/* A call that fails with work queued waits for it before it returns (the copies read the pinned inputs, which the next
+ * call rewrites, and may read the caller's images), and clears the error that work left. */
+static void drain(cuda_state *s) {
+    cudaStreamSynchronize(s->stream);
+    cudaGetLastError();
+}
 
 static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, pi0_timings *timings, pi0_error *err) {
     cuda_state *s = m->backend_state;
@@ -503,31 +508,23 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
     TRY(graph_for(s, m, &shape, &g, err));
     cudaGetLastError(); /* a stale error of someone else's call must not be taken for ours */
     fill_inputs(g, m, p);
-    if (p->has_frames) TRY(stage_frames(s, m, g, p, err)); /* before the inputs' copy: it fills their frame jobs */
+    /* the frames before the inputs' copy: staging them fills their frame jobs; a failure may leave some of their copies
+     * queued, from the caller's memory */
+    pi0_status staged = p->has_frames ? stage_frames(s, m, g, p, err) : PI0_OK;
+    if (staged) return drain(s), staged;
     /* the inputs past the images first: the copy engine is idle while the host copies the images, and the graph
      * then starts with the vision's first kernel */
-    CUDA_TRY(cudaMemcpyAsync(g->device + g->images_size, g->host + g->images_size, g->inputs_size - g->images_size,
-                             cudaMemcpyHostToDevice, s->stream));
-    cudaError_t sent = p->has_frames ? cudaSuccess : send_images(s, g, p, (size_t)m->dims.image_size * m->dims.image_size * 3);
-    if (sent) {
-        cudaStreamSynchronize(s->stream); /* the copies read the pinned inputs, which the next call rewrites */
-        cudaGetLastError();
-        return pi0_fail(err, PI0_ERR_BACKEND, "copying the images to the device: %s", cudaGetErrorString(sent));
-    }
+    cudaError_t sent = cudaMemcpyAsync(g->device + g->images_size, g->host + g->images_size,
+                                       g->inputs_size - g->images_size, cudaMemcpyHostToDevice, s->stream);
+    if (!sent && !p->has_frames) sent = send_images(s, g, p, (size_t)m->dims.image_size * m->dims.image_size * 3);
+    if (sent)
+        return drain(s), pi0_fail(err, PI0_ERR_BACKEND, "copying the inputs to the device: %s", cudaGetErrorString(sent));
     if (use_graphs && g->exec) {
         cudaError_t e = cudaGraphLaunch(g->exec, s->stream);
-        if (e) {
-            cudaStreamSynchronize(s->stream); /* the images' copies may read the caller's memory: done before we return */
-            cudaGetLastError();
-            return pi0_fail(err, PI0_ERR_BACKEND, "cudaGraphLaunch: %s", cudaGetErrorString(e));
-        }
+        if (e) return drain(s), pi0_fail(err, PI0_ERR_BACKEND, "cudaGraphLaunch: %s", cudaGetErrorString(e));
     } else {
         pi0_status st = cuda_forward(s, m, g, err);
-        if (st) {
-            cudaStreamSynchronize(s->stream);
-            cudaGetLastError();
-            return st;
-        }
+        if (st) return drain(s), st;
     }
     CUDA_TRY(cudaStreamSynchronize(s->stream));
     CUDA_TRY(cudaGetLastError());
@@ -550,8 +547,7 @@ static pi0_status cuda_sample(pi0_model *m, const pi0_plan *p, float *actions, p
  * the first denoise step's short kernels take the multiprocessors the prefix leaves idle rather than delaying its
  * next kernel (bench/NOTES.md, session 19). */
 static pi0_status streams_init(cuda_state *s, const pi0_model *m, pi0_error *err) {
-    const char *env = getenv("PI0_BESIDE");
-    int beside = !(env && !strcmp(env, "0")), least = 0, greatest = 0;
+    int beside = !switched_off("PI0_BESIDE"), least = 0, greatest = 0;
     cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
     if (!e) e = cudaStreamCreateWithPriority(&s->stream, cudaStreamNonBlocking, beside ? greatest : 0);
     if (!e && beside) e = cudaStreamCreateWithPriority(&s->side, cudaStreamNonBlocking, least);
@@ -600,17 +596,13 @@ static pi0_status cuda_init(pi0_model *m, pi0_error *err) {
     cuda_state *s = calloc(1, sizeof *s);
     if (!s) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory");
     m->backend_state = s;
-    const char *skinny_env = getenv("PI0_SKINNY"); /* PI0_SKINNY=0: cuBLASLt for every row count (A/B runs) */
-    s->use_skinny = !(skinny_env && !strcmp(skinny_env, "0"));
+    s->use_skinny = !switched_off("PI0_SKINNY"); /* PI0_SKINNY=0: cuBLASLt for every row count (A/B runs) */
     /* PI0_PERSISTENT=1: the persistent denoise kernel, opt-in while it is slower than the skinny kernels (NOTES.md) */
     const char *persistent_env = getenv("PI0_PERSISTENT");
     s->use_persistent = persistent_env && !strcmp(persistent_env, "1");
-    const char *parts_env = getenv("PI0_PARTS"); /* PI0_PARTS=0: cuBLASLt's own split-K reductions (A/B runs) */
-    s->use_parts = !(parts_env && !strcmp(parts_env, "0"));
-    const char *gate_up_env = getenv("PI0_GATE_UP"); /* PI0_GATE_UP=0: cuBLASLt's gate|up, then gelu x up (A/B runs) */
-    s->use_gate_up = !(gate_up_env && !strcmp(gate_up_env, "0"));
-    const char *euler_env = getenv("PI0_FUSED_EULER"); /* PI0_FUSED_EULER=0: the step boundary's separate kernels (A/B) */
-    s->use_fused_euler = !(euler_env && !strcmp(euler_env, "0"));
+    s->use_parts = !switched_off("PI0_PARTS"); /* PI0_PARTS=0: cuBLASLt's own split-K reductions (A/B runs) */
+    s->use_gate_up = !switched_off("PI0_GATE_UP"); /* PI0_GATE_UP=0: cuBLASLt's gate|up, then gelu x up (A/B runs) */
+    s->use_fused_euler = !switched_off("PI0_FUSED_EULER"); /* PI0_FUSED_EULER=0: the boundary's separate kernels */
     const char *max_env = getenv("PI0_CUDA_MAX_GRAPHS");
     s->max_graphs = max_env && atoi(max_env) > 0 ? atoi(max_env) : MAX_GRAPHS;
     int device = 0;
