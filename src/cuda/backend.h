@@ -32,7 +32,8 @@ typedef struct {
 } gpu_gemma_layer;
 
 typedef struct {
-    float *patch_w, *patch_b, *pos_emb;
+    pi0_bf16 *patch_w; /* (Dv, PI0_PATCH_PIECES x 3 p^2): float32 weights in bf16 pieces (kernels.h) */
+    float *patch_b, *pos_emb;
     gpu_vit_layer *vit;
     float *post_ln_w, *post_ln_b;
     pi0_bf16 *proj_w;
@@ -110,7 +111,8 @@ typedef struct {
     const step_tables *tables;
     /* activations */
     float *images;         /* the cameras as model input: the inputs' images, or the frames resized into it */
-    float *patches, *vit_x, *vision, *x, *suffix, *state_token, *action_tokens;
+    pi0_bf16 *patches;     /* (images x 256, PI0_PATCH_PIECES x 3 p^2): im2col's bf16 pieces */
+    float *vit_x, *vision, *x, *suffix, *state_token, *action_tokens;
     pi0_bf16 *suffix_bf16; /* the suffix rows rounded to bf16: the skinny Linears' input */
     float *suffix_attn_ws; /* the denoise attention's workspace (pi0_cuda_attention_ws) */
     size_t suffix_attn_ws_bytes;

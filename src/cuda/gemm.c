@@ -55,8 +55,7 @@ static int parts(const gemm_args *a) { return a->k_parts > 1 ? a->k_parts : 1; }
 
 /* Everything about a call that changes the algorithm choice, in one int. */
 static int gemm_flags(const gemm_args *a) {
-    return (a->out_f32 << 0) | ((a->bias != NULL) << 1) | (a->gelu << 2) | (a->f32_inputs << 3) | ((a->beta != 0) << 4) |
-           (parts(a) << 5);
+    return (a->out_f32 << 0) | ((a->bias != NULL) << 1) | (a->gelu << 2) | ((a->beta != 0) << 3) | (parts(a) << 4);
 }
 
 static const cublasLtMatmulAlgo_t *cached_algo(const gemm_context *ctx, const gemm_args *a) {
@@ -92,7 +91,7 @@ static void descs_free(gemm_descs *d) {
 }
 
 static cublasStatus_t descs_make(gemm_descs *d, const gemm_args *a) {
-    cudaDataType_t in_type = a->f32_inputs ? CUDA_R_32F : CUDA_R_16BF, out_type = a->out_f32 ? CUDA_R_32F : CUDA_R_16BF;
+    cudaDataType_t in_type = CUDA_R_16BF, out_type = a->out_f32 ? CUDA_R_32F : CUDA_R_16BF;
     cublasOperation_t transpose = CUBLAS_OP_T, none = CUBLAS_OP_N;
     cublasLtEpilogue_t epilogue = a->bias ? (a->gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS)
                                           : CUBLASLT_EPILOGUE_DEFAULT;

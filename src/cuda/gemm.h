@@ -27,10 +27,10 @@
 
 typedef struct {
     int m, n, k;
-    const void *x, *w; /* bf16, or float32 when f32_inputs */
+    const void *x, *w; /* bf16 */
     void *out;
     const void *bias;  /* NULL: none */
-    int out_f32, gelu, f32_inputs;
+    int out_f32, gelu;
     float alpha, beta;
     int k_parts;       /* > 1: the partial products of k_parts slices of k (above); 0 or 1: none */
 } gemm_args;

@@ -145,12 +145,15 @@ static void carve_activations(carver *c, cuda_graph *g, const pi0_dims *d) {
     size_t kv_dim = (size_t)d->llm.num_kv_heads * d->llm.head_dim, cache_rows = T + R, bf = sizeof(pi0_bf16);
     size_t f = sizeof(float);
     g->images = sh->frames ? carve(c, (size_t)sh->num_images * d->image_size * d->image_size * 3 * f) : g->in.images;
-    g->patches = carve(c, NP * 3 * d->patch_size * d->patch_size * f);
     g->vit_x = carve(c, NP * Dv * f);
     g->vit_h = carve(c, NP * Dv * bf);
     g->vit_qkv = carve(c, NP * 3 * Dv * bf);
     g->vit_att = carve(c, NP * Dv * bf);
     g->vit_mlp = carve(c, NP * d->vision.mlp_dim * bf);
+    /* im2col's pieces are read once, by the patch embedding, before the first fc1 writes vit_mlp: its space where they
+     * fit (SigLIP's: 6 x 588 of 4304), their own otherwise */
+    size_t piece_cols = (size_t)PI0_PATCH_PIECES * 3 * d->patch_size * d->patch_size;
+    g->patches = piece_cols <= (size_t)d->vision.mlp_dim ? g->vit_mlp : carve(c, NP * piece_cols * bf);
     g->vision = carve(c, NP * D * f);
     g->x = carve(c, T * D * f);
     carve_gemma(c, &g->prefix, T, &d->llm);

@@ -333,7 +333,9 @@ static __global__ void frames_to_images_kernel(float *images, const pi0_frame_jo
     }
 }
 
-static __global__ void im2col_kernel(float *out, const float *images, int n, int image_size, int patch, int *nonfinite) {
+static __global__ void im2col_kernel(__nv_bfloat16 *out, const float *images, int n, int image_size, int patch,
+                                     int *nonfinite) {
+    const int x_piece[PI0_PATCH_PIECES] = PI0_PATCH_X_PIECES;
     int grid = image_size / patch, patch_dim = 3 * patch * patch;
     size_t total = (size_t)n * grid * grid * patch_dim;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
@@ -342,7 +344,13 @@ static __global__ void im2col_kernel(float *out, const float *images, int n, int
         int image = (int)(row / (grid * grid)), at = (int)(row % (grid * grid)), py = at / grid, px = at % grid;
         float v = images[(size_t)image * image_size * image_size * 3 +
                          ((size_t)(py * patch + r) * image_size + px * patch + col) * 3 + c];
-        out[i] = v;
+        __nv_bfloat16 piece[3]; /* util/half.h's f32_to_bf16x3 */
+        float left = v;
+#pragma unroll
+        for (int p = 0; p < 3; p++) piece[p] = __float2bfloat16_rn(left), left -= __bfloat162float(piece[p]);
+        __nv_bfloat16 *dst = out + row * PI0_PATCH_PIECES * patch_dim + e;
+#pragma unroll
+        for (int b = 0; b < PI0_PATCH_PIECES; b++) dst[(size_t)b * patch_dim] = piece[x_piece[b]];
         /* NaN and infinity are the floats whose exponent bits are all ones (bits, not isfinite: fast-math safe) */
         if (nonfinite && (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u) atomicOr(&nonfinite[image], 1);
     }
@@ -523,10 +531,11 @@ cudaError_t pi0_cuda_frames_to_images(float *images, const pi0_frame_job *jobs, 
     return cudaGetLastError();
 }
 
-cudaError_t pi0_cuda_im2col(float *out, const float *images, int n, int image_size, int patch, int *nonfinite,
+cudaError_t pi0_cuda_im2col(pi0_bf16 *out, const float *images, int n, int image_size, int patch, int *nonfinite,
                             cudaStream_t stream) {
     size_t total = (size_t)n * image_size * image_size * 3;
-    if (total) im2col_kernel<<<grid_for(total, 256), 256, 0, stream>>>(out, images, n, image_size, patch, nonfinite);
+    if (total)
+        im2col_kernel<<<grid_for(total, 256), 256, 0, stream>>>(as_bf16(out), images, n, image_size, patch, nonfinite);
     return cudaGetLastError();
 }
 

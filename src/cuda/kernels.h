@@ -91,10 +91,32 @@ typedef struct {
 cudaError_t pi0_cuda_frames_to_images(float *images, const pi0_frame_job *jobs, int n, int image_size,
                                       cudaStream_t stream);
 
-/* Patches of HWC images (n, S, S, 3) into rows (n * (S/p)^2, 3 p p) flattened as (channel, row, col). With
- * `nonfinite` (n ints, device memory), nonfinite[i] is made non-zero where image i holds a NaN or infinity (and left
- * as it was elsewhere: the caller zeroes it). */
-cudaError_t pi0_cuda_im2col(float *out, const float *images, int n, int image_size, int patch, int *nonfinite,
+/*
+ * The patch embedding is float32 in openpi; here it runs on bf16 tensor cores, near float32's accuracy. Every float32
+ * operand is split into three bf16 pieces, x = x0 + x1 + x2 exactly (util/half.h's f32_to_bf16x3), and x w into the
+ * six products whose pieces' orders sum to at most 2: x0 w0 + x0 w1 + x0 w2 + x1 w0 + x1 w1 + x2 w0. Each product of
+ * two bf16 values is exact in float32, the three left out are 2^-24 of x w or less, and the sum is accumulated in
+ * float32 by the tensor cores: 6.5e-6 from the exact product at SigLIP's shape on an H200 (the accumulation over
+ * k = 3528 is most of it), where a plain bf16 product is ~3e-3 and the next op rounds to bf16 (test_kernels bounds it
+ * at 1e-5, as it did cuBLASLt's float32 product). As one GEMM of k = PI0_PATCH_PIECES x 3 p^2: patches laid out
+ * [x0 x0 x0 x1 x1 x2] along k against weights laid out [w0 w1 w2 w0 w1 w0] (cuda/weights.c); for two images it
+ * replaces cuBLASLt's float32 product (27 us alone), vision 1.50-1.51 -> 1.49 ms (bench/NOTES.md, session 41).
+ */
+#define PI0_PATCH_PIECES 6
+
+/* Which piece of x, and which of w, each of the PI0_PATCH_PIECES blocks along k holds (initializers of int[6]). */
+#define PI0_PATCH_X_PIECES {0, 0, 0, 1, 1, 2}
+#define PI0_PATCH_W_PIECES {0, 1, 2, 0, 1, 0}
+
+/* The patch embedding's float32 weights (rows, cols) as its GEMM takes them: each row PI0_PATCH_PIECES blocks of cols,
+ * [w0 w1 w2 w0 w1 w0], each piece held as the float it equals (rounded to bf16 exactly). malloc's; NULL when out of
+ * memory. Host code (cuda/weights.c). */
+float *pi0_cuda_patch_weight_pieces(const float *w, size_t rows, size_t cols);
+
+/* Patches of HWC images (n, S, S, 3) into rows (n * (S/p)^2, PI0_PATCH_PIECES x 3 p p) of bf16 pieces (above), each
+ * patch flattened as (channel, row, col). With `nonfinite` (n ints, device memory), nonfinite[i] is made non-zero where
+ * image i holds a NaN or infinity (and left as it was elsewhere: the caller zeroes it). */
+cudaError_t pi0_cuda_im2col(pi0_bf16 *out, const float *images, int n, int image_size, int patch, int *nonfinite,
                             cudaStream_t stream);
 
 /* x (rows, dim) += bias + pos[row % positions]. */

@@ -16,6 +16,8 @@
  *    before rounding to bf16): its norms become plain normalizations, which the skinny Linears of
  *    the denoise loop apply as a per-row factor (skinny.h). The VLM keeps its norm weights; Pi0.5's
  *    expert keeps its Linears as they are, its adaptive norms' dense layers beside them.
+ *  - The float32 patch embedding's weights become bf16 pieces, each weight the exact sum of three (kernels.h's
+ *    PI0_PATCH_PIECES): its product runs on tensor cores, near float32's accuracy.
  *  - action_in_proj is folded into the first half of action_time_mlp_in: W_fold = W_a W_in,
  *    so each denoise step maps the 32 action dims straight to the time MLP's hidden layer; the
  *    time half of that layer depends only on the step and is precomputed per graph (forward.c).
@@ -300,6 +302,19 @@ static void loader_free(loader *ld) {
     free(ld->scratch);
 }
 
+float *pi0_cuda_patch_weight_pieces(const float *w, size_t rows, size_t cols) {
+    const int w_piece[PI0_PATCH_PIECES] = PI0_PATCH_W_PIECES;
+    float *out = malloc(rows * PI0_PATCH_PIECES * cols * sizeof(float));
+    for (size_t r = 0; out && r < rows; r++)
+        for (size_t j = 0; j < cols; j++) {
+            uint16_t piece[3];
+            f32_to_bf16x3(w[r * cols + j], piece);
+            for (int b = 0; b < PI0_PATCH_PIECES; b++)
+                out[(r * PI0_PATCH_PIECES + b) * cols + j] = bf16_to_f32(piece[w_piece[b]]);
+        }
+    return out;
+}
+
 static pi0_status upload_all(cuda_state *s, const pi0_model *m, loader *ld, pi0_error *err) {
     const pi0_dims *d = &m->dims;
     const pi0_weights *w = &m->weights;
@@ -307,7 +322,10 @@ static pi0_status upload_all(cuda_state *s, const pi0_model *m, loader *ld, pi0_
     int Dv = d->vision.width, D = d->llm.width;
     int P = image_tokens(d), patch_dim = 3 * d->patch_size * d->patch_size;
     int failed = 0;
-    g->patch_w = UP_F32({w->patch_w, (size_t)Dv * patch_dim}); /* openpi embeds patches in float32 */
+    float *patch_pieces = pi0_cuda_patch_weight_pieces(w->patch_w, (size_t)Dv, (size_t)patch_dim); /* float32 in openpi */
+    if (!patch_pieces) return pi0_fail(err, PI0_ERR_OUT_OF_MEMORY, "out of memory preparing GPU weights");
+    g->patch_w = UP_BF16({patch_pieces, (size_t)Dv * PI0_PATCH_PIECES * patch_dim});
+    free(patch_pieces);
     g->patch_b = UP_F32({w->patch_b, (size_t)Dv});
     g->pos_emb = UP_F32({w->pos_emb, (size_t)P * Dv});
     for (int l = 0; l < d->vision.depth && !failed; l++)

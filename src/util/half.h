@@ -31,6 +31,16 @@ static inline float bf16_to_f32(uint16_t h) {
     return float_from_bits((uint32_t)h << 16);
 }
 
+/* A float as three bfloat16 pieces, x = out[0] + out[1] + out[2] exactly for finite x short of the smallest normals:
+ * each piece is the rounding of what the ones before it left, 8 significant bits of float32's 24 at a time (the
+ * float32 patch embedding on bf16 tensor cores, kernels.h's PI0_PATCH_PIECES). */
+static inline void f32_to_bf16x3(float x, uint16_t out[3]) {
+    for (int i = 0; i < 3; i++) {
+        out[i] = f32_to_bf16(x);
+        x -= bf16_to_f32(out[i]); /* exact: x and the piece share their leading bits */
+    }
+}
+
 /* IEEE binary16 -> binary32, exact for every input: normals are rebiased (15 -> 127), inf and nan keep
    their payload under an all-ones exponent, subnormals are mantissa * 2^-24 (exactly representable as
    float normals). Masks instead of branches so the loops calling it vectorize. */
