@@ -97,8 +97,8 @@ cudaError_t pi0_cuda_frames_to_images(float *images, const pi0_frame_job *jobs, 
  * six products whose pieces' orders sum to at most 2: x0 w0 + x0 w1 + x0 w2 + x1 w0 + x1 w1 + x2 w0. Each product of
  * two bf16 values is exact in float32, the three left out are 2^-24 of x w or less, and the sum is accumulated in
  * float32 by the tensor cores: 6.5e-6 from the exact product at SigLIP's shape on an H200 (the accumulation over
- * k = 3528 is most of it), where a plain bf16 product is ~3e-3 and the next op rounds to bf16 (test_kernels bounds it
- * at 1e-5, as it did cuBLASLt's float32 product). As one GEMM of k = PI0_PATCH_PIECES x 3 p^2: patches laid out
+ * k = 3528 is all of it: the six products summed exactly are 5e-9 off), where a plain bf16 product is ~2e-3 and the next
+ * op rounds to bf16 (test_kernels bounds it at 1e-5, as it did cuBLASLt's float32 product). As one GEMM of k = PI0_PATCH_PIECES x 3 p^2: patches laid out
  * [x0 x0 x0 x1 x1 x2] along k against weights laid out [w0 w1 w2 w0 w1 w0] (cuda/weights.c); for two images it
  * replaces cuBLASLt's float32 product (27 us alone), vision 1.50-1.51 -> 1.49 ms (bench/NOTES.md, session 41).
  */
