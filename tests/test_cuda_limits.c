@@ -5,15 +5,18 @@
  * the cuda backend refuses such a model before anything else (with or without a GPU), and the auto backend
  * gives it to the CPU. And the dims-only choice of the skinny Linears (pi0_cuda_skinny_block_supported) is
  * exactly "all four Linears of the block take them"; the fused gate|up kernel's shape choice keeps to the shapes it
- * was measured faster at. A build without the CUDA backend runs the API test only
+ * was measured faster at; the patch embedding's weights in bf16 pieces (kernels.h) are laid out as its GEMM pairs them
+ * with the patches' and sum to the float32 weights exactly. A build without the CUDA backend runs the API test only
  * (its refusal is another).
  */
 #include "check.h"
 #include "pi0.h"
 #ifdef PI0_WITH_CUDA
 #include "cuda/gate_up.h"
+#include "cuda/kernels.h"
 #include "cuda/limits.h"
 #include "cuda/skinny.h"
+#include "util/half.h"
 #endif
 
 /* A small model that every backend runs: 4 image tokens of 28 x 28 images, depth 1. */
@@ -120,6 +123,45 @@ TEST(gate_up_kernel_where_it_pays) {
 }
 #endif
 
+#ifdef PI0_WITH_CUDA
+/* pi0_cuda_patch_weight_pieces: in every row, block b holds piece PI0_PATCH_W_PIECES[b] of each weight (util/half.h's
+ * split), each a bf16 value, and the distinct pieces sum to the float32 weight; the blocks meet the patches' pieces so
+ * that each (x piece, w piece) pair of orders summing to at most 2 comes once. */
+TEST(patch_weight_pieces_pair_with_the_patches) {
+    enum { ROWS = 5, COLS = 147 };
+    float w[ROWS * COLS];
+    uint32_t state = 7;
+    for (int i = 0; i < ROWS * COLS; i++) {
+        state = state * 1664525u + 1013904223u;
+        w[i] = ldexpf((float)(state >> 8) / 16777216.0f - 0.5f, i % 40 - 30);
+    }
+    float *pieces = pi0_cuda_patch_weight_pieces(w, ROWS, COLS);
+    REQUIRE(pieces != NULL, "out of memory");
+    const int w_piece[PI0_PATCH_PIECES] = PI0_PATCH_W_PIECES, x_piece[PI0_PATCH_PIECES] = PI0_PATCH_X_PIECES;
+    int wrong = 0, inexact = 0;
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < COLS; j++) {
+            uint16_t want[3];
+            f32_to_bf16x3(w[r * COLS + j], want);
+            double sum = 0;
+            for (int b = 0; b < PI0_PATCH_PIECES; b++) {
+                float got = pieces[((size_t)r * PI0_PATCH_PIECES + b) * COLS + j];
+                wrong += got != bf16_to_f32(want[w_piece[b]]);
+                if (x_piece[b] == 0) sum += got; /* x0 meets each of w's pieces once */
+            }
+            inexact += sum != (double)w[r * COLS + j];
+        }
+    CHECK(wrong == 0, "%d pieces out of place", wrong);
+    CHECK(inexact == 0, "%d weights are not the sum of their pieces", inexact);
+    int pairs[3][3] = {{0}}; /* how often each (x piece, w piece) pair comes along k */
+    for (int b = 0; b < PI0_PATCH_PIECES; b++) pairs[x_piece[b]][w_piece[b]]++;
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 3; j++)
+            CHECK(pairs[i][j] == (i + j <= 2), "x piece %d meets w piece %d %d times", i, j, pairs[i][j]);
+    free(pieces);
+}
+#endif
+
 /* Through the public API: the cuda backend refuses the model before it looks for a GPU or reads a weight,
  * and auto gives it to the CPU, which runs it. */
 TEST(cuda_refuses_auto_falls_back) {
@@ -153,6 +195,7 @@ int main(int argc, char **argv) {
     RUN(refuses_with_dimension_and_limit);
     RUN(skinny_block_choice_is_exact);
     RUN(gate_up_kernel_where_it_pays);
+    RUN(patch_weight_pieces_pair_with_the_patches);
 #endif
     RUN(cuda_refuses_auto_falls_back);
     return check_finish();

@@ -11,6 +11,7 @@
 
 #include "check.h"
 #include "io/safetensors.h"
+#include "util/half.h"
 
 #define PATH_SIZE 512
 
@@ -398,6 +399,30 @@ static void test_bf16_to_f32(void) {
     free(out);
 }
 
+/* util/half.h's three-piece split (the CUDA patch embedding's): at every binary exponent where it is exact, random
+ * floats of both signs are the sum of their pieces, the first is the float's bf16 rounding and each later piece at
+ * most half a unit of the last place of the one before; zero splits into zeros. */
+static void test_f32_to_bf16x3(void) {
+    uint32_t state = 12345;
+    int inexact = 0, misplaced = 0;
+    for (int e = -109; e <= 127; e++)
+        for (int i = 0; i < 2000; i++) {
+            state = state * 1664525u + 1013904223u;
+            float x = ldexpf(1.0f + (float)(state >> 8) / 16777216.0f, e - 1) * (i & 1 ? -1.0f : 1.0f);
+            uint16_t p[3];
+            f32_to_bf16x3(x, p);
+            inexact += (double)bf16_to_f32(p[0]) + bf16_to_f32(p[1]) + bf16_to_f32(p[2]) != (double)x;
+            misplaced += p[0] != f32_to_bf16(x);
+            for (int k = 1; k < 3; k++) /* half an ulp of an 8-bit significand: 2^-8 of its leading power of two */
+                misplaced += fabsf(bf16_to_f32(p[k])) > ldexpf(1.0f, ilogbf(bf16_to_f32(p[k - 1])) - 8);
+        }
+    CHECK(inexact == 0, "%d floats are not the sum of their three bf16 pieces", inexact);
+    CHECK(misplaced == 0, "%d pieces out of place", misplaced);
+    uint16_t zero[3];
+    f32_to_bf16x3(0.0f, zero);
+    CHECK(!zero[0] && !zero[1] && !zero[2], "0 splits into %04x %04x %04x", zero[0], zero[1], zero[2]);
+}
+
 static void test_f16_to_f32(void) {
     static const struct { uint16_t in; uint32_t out; } known[] = {
         {0x3c00, 0x3f800000}, /* 1 */
@@ -767,6 +792,7 @@ int main(int argc, char **argv) {
     RUN(test_writer_rejects_bad_arguments);
     RUN(test_writer_replaces_file);
     RUN(test_bf16_to_f32);
+    RUN(test_f32_to_bf16x3);
     RUN(test_f16_to_f32);
     RUN(test_large_conversion);
     RUN(test_fixture_model);

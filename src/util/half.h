@@ -31,9 +31,10 @@ static inline float bf16_to_f32(uint16_t h) {
     return float_from_bits((uint32_t)h << 16);
 }
 
-/* A float as three bfloat16 pieces, x = out[0] + out[1] + out[2] exactly for finite x short of the smallest normals:
- * each piece is the rounding of what the ones before it left, 8 significant bits of float32's 24 at a time (the
- * float32 patch embedding on bf16 tensor cores, kernels.h's PI0_PATCH_PIECES). */
+/* A float as three bfloat16 pieces, x = out[0] + out[1] + out[2] exactly for x = 0 and 2^-110 <= |x| < 2^127 (below,
+ * the last piece falls among float32's subnormals; above, the first may round to infinity): each piece is the rounding of
+ * what the ones before it left, 8 significant bits of float32's 24 at a time (the float32 patch embedding on bf16 tensor
+ * cores, kernels.h's PI0_PATCH_PIECES). */
 static inline void f32_to_bf16x3(float x, uint16_t out[3]) {
     for (int i = 0; i < 3; i++) {
         out[i] = f32_to_bf16(x);
