@@ -538,7 +538,8 @@ static void gemm_parts_case(gemm_context *ctx, int m, int n, int k, int parts) {
  * weights. Within 1e-5, the bound cuBLASLt's float32 product was held to here: 6.5e-6 at SigLIP's shape on an H200
  * (bench/NOTES.md, session 41), the tensor cores' float32 accumulation over k = 3528, where a plain bf16 product is
  * ~2e-3 and one without x0 w1 or x1 w0 ~1.5e-3. Each of the three smallest products is ~2.5e-6 of the result, under
- * the accumulation's error: leaving one out would not fail here. */
+ * the accumulation's error: leaving one out would not fail here (test_cuda_limits and test_safetensors check the pieces
+ * and their layout on the host). */
 static void patch_embedding_case(gemm_context *ctx, int n, int S, int p, int dim) {
     int grid = S / p, P = grid * grid, rows = n * P, pd = 3 * p * p, k = PI0_PATCH_PIECES * pd;
     size_t image = (size_t)S * S * 3;
