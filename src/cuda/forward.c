@@ -218,7 +218,7 @@ static pi0_status vision_forward(cuda_state *s, const pi0_model *m, cuda_graph *
     CUDA_TRY(pi0_cuda_im2col(g->patches, g->images, n, d->image_size, d->patch_size,
                              g->shape.frames ? NULL : g->in.image_flags, s->stream)); /* frames are bytes: finite */
     TRY(gemm(s, (gemm_args){.m = rows, .n = Dv, .k = PI0_PATCH_PIECES * patch_dim, .x = g->patches, .w = w->patch_w,
-                            .out = g->vit_x, .out_f32 = 1, .alpha = 1}, err)); /* float32's accuracy: kernels.h */
+                            .out = g->vit_x, .out_f32 = 1, .alpha = 1}, err)); /* near float32's accuracy: kernels.h */
     CUDA_TRY(pi0_cuda_add_bias_pos(g->vit_x, w->patch_b, w->pos_emb, rows, P, Dv, s->stream));
     for (int layer = 0; layer < v->depth; layer++) {
         const gpu_vit_layer *l = &w->vit[layer];
