@@ -413,8 +413,10 @@ static void test_f32_to_bf16x3(void) {
             f32_to_bf16x3(x, p);
             inexact += (double)bf16_to_f32(p[0]) + bf16_to_f32(p[1]) + bf16_to_f32(p[2]) != (double)x;
             misplaced += p[0] != f32_to_bf16(x);
-            for (int k = 1; k < 3; k++) /* half an ulp of an 8-bit significand: 2^-8 of its leading power of two */
-                misplaced += fabsf(bf16_to_f32(p[k])) > ldexpf(1.0f, ilogbf(bf16_to_f32(p[k - 1])) - 8);
+            for (int k = 1; k < 3; k++) { /* half an ulp of an 8-bit significand: 2^-8 of its leading power of two */
+                float before = bf16_to_f32(p[k - 1]), piece = fabsf(bf16_to_f32(p[k]));
+                misplaced += before == 0.0f ? piece != 0.0f : piece > ldexpf(1.0f, ilogbf(before) - 8);
+            }
         }
     CHECK(inexact == 0, "%d floats are not the sum of their three bf16 pieces", inexact);
     CHECK(misplaced == 0, "%d pieces out of place", misplaced);
