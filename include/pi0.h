@@ -24,6 +24,7 @@
  *   PI0_PARTS=0         cuBLASLt's own split-K reductions instead of partial sums added by the next norm (CUDA)
  *   PI0_GATE_UP=0       the prefix's gate|up through cuBLASLt, then gelu x up, instead of one fused kernel (H100/H200)
  *   PI0_FUSED_EULER=0   a batch-1 step's Euler update and the next step's input Linear as separate kernels (CUDA)
+ *   PI0_STAGE=0         the skinny Linears' later passes load their weights after the pass before, not ahead (CUDA)
  *   PI0_PERSISTENT=1    each batch-1 denoise step as one persistent kernel (sm_90+; opt-in: slower today)
  *   PI0_PERSISTENT_SLOTS=n  weight slots its ring keeps in flight per SM (default 4)
  *   PI0_GEMM_TUNE=0     take cuBLASLt's first heuristic pick per GEMM shape instead of timing candidates

@@ -36,6 +36,7 @@
 
 #include "cuda/device.cuh"
 #include "cuda/skinny.h"
+#include "util/switches.h"
 
 namespace {
 
@@ -58,6 +59,7 @@ struct SkinnyParams {
     const int *positions, *cache_rows;
     const float *rope_cos, *rope_sin;
     uint16_t *cache_k, *cache_v;
+    int staged_passes; /* a warp's passes after the first whose weights wait in shared memory (staged_passes_for) */
 };
 
 /* Which loads issue before griddepcontrol.wait is ptxas's choice, not the source's. Weak loads keep their side of the
@@ -78,6 +80,17 @@ __device__ __forceinline__ uint4 load_stream(const uint16_t *p) {
                  : "l"(p));
     return r;
 }
+
+/* A later pass's 16 bytes of weights into shared memory (zeros where !valid), as load_stream asks L2 for them. Issued
+ * before griddepcontrol.wait, behind the first pass's loads; the lane that copies them is the one that reads them. */
+__device__ __forceinline__ void stage_stream(void *dst, const uint16_t *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void stage_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void stage_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 /* x, the kernel before's output: a plain load (through L1, where the blocks of a multiprocessor share it). */
 __device__ __forceinline__ uint4 load_x_chunk(const uint16_t *p) { return *reinterpret_cast<const uint4 *>(p); }
@@ -227,18 +240,39 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     }
 
     pdl_trigger(); /* the next kernel may start streaming its weights */
-    for (int kb = warp * C * 32; kb < p.k; kb += warps * C * 32) {
+    /* this warp's staged passes: [pass - 1][chunk][n8 tile][lane], past the partials and sums (launch_as) */
+    uint4 *staged = reinterpret_cast<uint4 *>(smem + warps * ROWS * (NC + 1)) + (size_t)warp * p.staged_passes * C * NT * 32;
+    const int step = warps * C * 32;
+    for (int kb = warp * C * 32, pass = 0; kb < p.k; kb += step, pass++) {
         uint4 wv[C][NT], sv[SCALE ? C : 1];
+        const bool from_stage = pass > 0 && pass <= p.staged_passes;
+        if (from_stage && pass == 1) stage_wait(); /* this lane's copies (each lane reads only its own) */
 #pragma unroll
         for (int c = 0; c < C; c++) {
             const int k = kb + c * 32 + t * 8;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const int n = tile_n[j];
-                wv[c][j] = k < p.k && n < p.n ? load_stream(p.w + (size_t)n * p.k + k) : zero;
+                if (from_stage) wv[c][j] = staged[(((size_t)(pass - 1) * C + c) * NT + j) * 32 + lane];
+                else wv[c][j] = k < p.k && n < p.n ? load_stream(p.w + (size_t)n * p.k + k) : zero;
             }
             /* the adaptive scale is a constant of the step, not the previous kernel's output: load it early */
             if (SCALE) sv[SCALE ? c : 0] = k < p.k ? *reinterpret_cast<const uint4 *>(p.in_scale + k) : zero;
+        }
+        if (pass == 0 && p.staged_passes) { /* the later passes' weights, queued behind this pass's */
+            for (int q = 0; q < p.staged_passes; q++)
+#pragma unroll
+                for (int c = 0; c < C; c++) {
+                    const int k = kb + (q + 1) * step + c * 32 + t * 8;
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        const int n = tile_n[j];
+                        const bool valid = k < p.k && n < p.n;
+                        stage_stream(&staged[(((size_t)q * C + c) * NT + j) * 32 + lane],
+                                     valid ? p.w + (size_t)n * p.k + k : p.w, valid);
+                    }
+                }
+            stage_commit();
         }
         pdl_wait(); /* x is the previous kernel's output (a no-op after the first pass) */
         uint4 xa[C], xb[C];
@@ -368,6 +402,33 @@ Shape choose_shape(int m, int n, int k, int rope, int scale, int max_warps) {
     return s;
 }
 
+/*
+ * A warp's passes after its first (k longer than its warps x C chunks of 32: Pi0's down projection at 8 warps, gate|up at
+ * 4) loaded their weights only once the pass before was done with its registers, so every such pass added a memory round
+ * trip to the chain after the wait. Their fragments are instead copied into shared memory before the wait, queued behind
+ * the first pass's loads, and read from there (the same values, so the same results to the bit). As many passes as fit
+ * beside the warps' partials in 48 KB (the most a block has without opting in), one row tile only (two tiles' kernels are at their register limit), and not with
+ * Pi0.5's adaptive scale: its staged gate|up cost Pi0.5's denoise 0.02 ms where Pi0's gained 0.02-0.03 (why is not
+ * probed). PI0_STAGE=0 turns it off (A/B runs). Lab (H200): down 5.71 -> 5.29 us, gate|up 7.27 -> 6.98, the layer 24.31
+ * -> 23.84 (bench/NOTES.md, session 42).
+ */
+constexpr size_t kMaxSmemBytes = 48 * 1024;
+
+/* A block's shared memory: the warps' partials and sums of squares (R row tiles), then the staged passes. */
+constexpr size_t partials_bytes(int warps, int NT, int R) { return (size_t)warps * 16 * R * (8 * NT + 1) * sizeof(float); }
+constexpr size_t staged_bytes(int warps, int C, int NT, int passes) { return (size_t)warps * passes * C * NT * 32 * 16; }
+
+int staged_passes_for(const Shape &s, int k, bool scale) {
+    static int off = -1;
+    if (off < 0) off = switched_off("PI0_STAGE");
+    if (off || s.row_tiles != 1 || scale) return 0;
+    const int step = s.warps * s.chunks * 32, later = (k + step - 1) / step - 1;
+    const size_t partials = partials_bytes(s.warps, s.nt, 1);
+    int passes = 0;
+    while (passes < later && partials + staged_bytes(s.warps, s.chunks, s.nt, passes + 1) <= kMaxSmemBytes) passes++;
+    return passes;
+}
+
 /* How a call is launched: plainly or as a programmatic dependent, and the carveout it asks for (skinny_args). */
 struct Launch {
     bool plain;
@@ -378,7 +439,7 @@ struct Launch {
 template <int NT, int C, int R, bool SCALE>
 cudaError_t launch_as(const SkinnyParams &p, int warps, const Launch &l) {
     const dim3 grid((unsigned)((p.n + 8 * NT - 1) / (8 * NT)), (unsigned)((p.m + 16 * R - 1) / (16 * R)));
-    const size_t smem = (size_t)warps * 16 * R * (8 * NT + 1) * sizeof(float);
+    const size_t smem = partials_bytes(warps, NT, R) + staged_bytes(warps, C, NT, p.staged_passes);
     cudaLaunchAttribute attrs[2];
     cudaLaunchConfig_t cfg = launch_config(grid, dim3((unsigned)warps * 32), smem, l.stream);
     cfg.attrs = attrs;
@@ -571,10 +632,11 @@ extern "C" int pi0_cuda_skinny_block_supported(int width, int mlp_dim, int head_
 
 extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream) {
     if (!pi0_cuda_skinny_supported(a)) return cudaErrorInvalidValue;
-    const SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,
-                            a->out, a->out_f32, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
-                            a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v};
+    SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,
+                      a->out, a->out_f32, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
+                      a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v, 0};
     const Shape s = choose_shape(a->m, a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL, a->max_warps);
+    p.staged_passes = staged_passes_for(s, a->k, a->in_scale != NULL);
     /* C 8 never comes with in_scale (choose_shape), so only C 4 has both variants */
     const Launch l = {a->plain_launch != 0, a->smem_carveout, stream};
     if (s.chunks == 8) return launch_as<1, 8, 1, false>(p, s.warps, l);
