@@ -4,7 +4,8 @@
  * is a multiple of 8 up to 256), the others are refused with a message naming the dimension and the limit,
  * the cuda backend refuses such a model before anything else (with or without a GPU), and the auto backend
  * gives it to the CPU. And the dims-only choice of the skinny Linears (pi0_cuda_skinny_block_supported) is
- * exactly "all four Linears of the block take them"; the fused gate|up kernel's shape choice keeps to the shapes it
+ * exactly "all four Linears of the block take them", and their launches' shared memory (staged passes included) stays
+ * within 48 KB; the fused gate|up kernel's shape choice keeps to the shapes it
  * was measured faster at; the patch embedding's weights in bf16 pieces (kernels.h) are laid out as its GEMM pairs them
  * with the patches' and sum to the float32 weights exactly. A build without the CUDA backend runs the API test only
  * (its refusal is another).
@@ -111,6 +112,53 @@ TEST(skinny_block_choice_is_exact) {
     CHECK(pi0_cuda_skinny_block_supported(1024, 4096, 256), "Pi0's expert");
 }
 
+/* The skinny Linears' staged passes (skinny.cu): Pi0's expert stages the second pass of down (8 warps) and gate|up (4
+ * warps) and nothing of QKV or o_proj (one pass each), Pi0.5's scaled gate|up and two row tiles nothing; and at any shape
+ * a launch's shared memory, the warps' partials with the staged passes, stays within the 48 KB a block has without
+ * opting in (a cap of 40 KB on the staged bytes alone let RoPE's blocks at 10 warps ask for 50.9 KB). */
+TEST(skinny_staged_passes_fit) {
+    static pi0_bf16 buf[8], scale[8];
+    skinny_args down = {.m = 11, .n = 1024, .k = 4096, .x = buf, .w = buf, .epilogue = SKINNY_RESIDUAL,
+                        .residual = (float *)buf, .residual_bf16 = buf, .max_warps = SKINNY_NARROW_WARPS};
+    skinny_args gate_up = {.m = 11, .n = 8192, .k = 1024, .x = buf, .w = buf, .rms_norm = 1, .epilogue = SKINNY_GELU_MUL,
+                           .out = buf};
+    skinny_args o_proj = down, qkv = gate_up;
+    o_proj.k = 2048;
+    qkv.n = 2560, qkv.epilogue = SKINNY_ROPE_QKV;
+    int staged = -1;
+    size_t bytes = pi0_cuda_skinny_shared_bytes(&down, &staged);
+    CHECK(staged == 1 && bytes == 8 * 16 * 9 * 4 + 8 * 8 * 32 * 16, "down: %d staged, %zu bytes", staged, bytes);
+    bytes = pi0_cuda_skinny_shared_bytes(&gate_up, &staged);
+    CHECK(staged == 1 && bytes == 4 * 16 * 17 * 4 + 4 * 4 * 2 * 32 * 16, "gate|up: %d staged, %zu bytes", staged, bytes);
+    pi0_cuda_skinny_shared_bytes(&o_proj, &staged);
+    CHECK(staged == 0, "o_proj: %d staged", staged);
+    pi0_cuda_skinny_shared_bytes(&qkv, &staged);
+    CHECK(staged == 0, "QKV: %d staged", staged);
+    skinny_args scaled = gate_up, two_tiles = gate_up;
+    scaled.in_scale = scale;
+    two_tiles.m = 22;
+    pi0_cuda_skinny_shared_bytes(&scaled, &staged);
+    CHECK(staged == 0, "Pi0.5's scaled gate|up: %d staged", staged);
+    pi0_cuda_skinny_shared_bytes(&two_tiles, &staged);
+    CHECK(staged == 0, "two row tiles: %d staged", staged);
+    static const int ms[] = {1, 11, 16, 17, 32}, warps[] = {0, 4, 8, 10, 12};
+    int most_staged = 0;
+    for (int rope = 0; rope < 2; rope++) /* RoPE's blocks take two n8 tiles of four chunks at any k */
+        for (int mi = 0; mi < 5; mi++)
+            for (int wi = 0; wi < 5; wi++)
+                for (int n = 8; n <= 9000; n += n < 256 ? 8 : 248)
+                    for (int k = 8; k <= 20000; k += k < 512 ? 8 : 504) {
+                        skinny_args a = gate_up;
+                        a.epilogue = rope ? SKINNY_ROPE_QKV : SKINNY_STORE;
+                        a.m = ms[mi], a.n = n, a.k = k, a.max_warps = warps[wi];
+                        bytes = pi0_cuda_skinny_shared_bytes(&a, &staged);
+                        CHECK(bytes <= 48 * 1024, "%sm %d, n %d, k %d, max warps %d: %zu bytes of shared memory",
+                              rope ? "RoPE, " : "", a.m, n, k, warps[wi], bytes);
+                        if (staged > most_staged) most_staged = staged;
+                    }
+    CHECK(most_staged >= 2, "the sweep reaches shapes of two staged passes and more (at most %d)", most_staged);
+}
+
 /* Where the prefix's gate|up takes the fused kernel (gate_up.h): the shapes it was measured faster at, and not the
  * ones it was measured slower at (bench/NOTES.md, sessions 29-30). */
 TEST(gate_up_kernel_where_it_pays) {
@@ -194,6 +242,7 @@ int main(int argc, char **argv) {
     RUN(accepts_what_the_gpu_runs);
     RUN(refuses_with_dimension_and_limit);
     RUN(skinny_block_choice_is_exact);
+    RUN(skinny_staged_passes_fit);
     RUN(gate_up_kernel_where_it_pays);
     RUN(patch_weight_pieces_pair_with_the_patches);
 #endif

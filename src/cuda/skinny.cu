@@ -630,6 +630,13 @@ extern "C" int pi0_cuda_skinny_block_supported(int width, int mlp_dim, int head_
     return width > 0 && width % 8 == 0 && mlp_dim > 0 && mlp_dim % 8 == 0 && head_dim > 0 && head_dim % 16 == 0;
 }
 
+extern "C" size_t pi0_cuda_skinny_shared_bytes(const skinny_args *a, int *staged_passes) {
+    const Shape s = choose_shape(a->m, a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL, a->max_warps);
+    const int passes = staged_passes_for(s, a->k, a->in_scale != NULL);
+    if (staged_passes) *staged_passes = passes;
+    return partials_bytes(s.warps, s.nt, s.row_tiles) + staged_bytes(s.warps, s.chunks, s.nt, passes);
+}
+
 extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream) {
     if (!pi0_cuda_skinny_supported(a)) return cudaErrorInvalidValue;
     SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,

@@ -132,6 +132,11 @@ int pi0_cuda_skinny_supported(const skinny_args *a);
  * the two paths (the cuBLASLt one does not keep the bf16 copy of x that these read). */
 int pi0_cuda_skinny_block_supported(int width, int mlp_dim, int head_dim);
 
+/* The dynamic shared memory a launch of these (supported) arguments asks for, at most 48 KB, and in *staged_passes (when
+ * not NULL) how many of a warp's passes after its first have their weights copied into it before the wait (skinny.cu).
+ * Host arithmetic only: no GPU needed. */
+size_t pi0_cuda_skinny_shared_bytes(const skinny_args *a, int *staged_passes);
+
 /* cudaErrorInvalidValue when not supported, else the launch error. */
 cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t stream);
 
