@@ -257,9 +257,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[N][4], float (&o)[NTO][4
     exp_scores(s, base0, base1, l0, l1);
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 
 /* S = Q K^T over KEYS keys (a multiple of 16) for one warp's 16 rows: Q and K from shared memory

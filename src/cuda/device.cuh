@@ -54,6 +54,12 @@ static __device__ __forceinline__ uint4 mul_bf16x8(uint4 v, uint4 s) {
 /* A shared-memory address as the PTX instructions below take it. */
 static __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+/* cp.async groups: close the copies issued so far into a group; wait until at most 0 (1) of this thread's groups are
+ * still copying (its copies are then visible to it; to the block after a barrier). */
+static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+static __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
 /* ldmatrix: four (two) 8x8 bf16 tiles from shared memory, each lane giving one row address; .trans transposes. */
 static __device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -89,9 +89,6 @@ __device__ __forceinline__ void stage_stream(void *dst, const uint16_t *src, boo
                  : "memory");
 }
 
-__device__ __forceinline__ void stage_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void stage_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 /* x, the kernel before's output: a plain load (through L1, where the blocks of a multiprocessor share it). */
 __device__ __forceinline__ uint4 load_x_chunk(const uint16_t *p) { return *reinterpret_cast<const uint4 *>(p); }
 
@@ -242,18 +239,19 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     pdl_trigger(); /* the next kernel may start streaming its weights */
     /* this warp's staged passes: [pass - 1][chunk][n8 tile][lane], past the partials and sums (launch_as) */
     uint4 *staged = reinterpret_cast<uint4 *>(smem + warps * ROWS * (NC + 1)) + (size_t)warp * p.staged_passes * C * NT * 32;
+    auto staged_slot = [&](int q, int c, int j) { return &staged[(((size_t)q * C + c) * NT + j) * 32 + lane]; };
     const int step = warps * C * 32;
     for (int kb = warp * C * 32, pass = 0; kb < p.k; kb += step, pass++) {
         uint4 wv[C][NT], sv[SCALE ? C : 1];
         const bool from_stage = pass > 0 && pass <= p.staged_passes;
-        if (from_stage && pass == 1) stage_wait(); /* this lane's copies (each lane reads only its own) */
+        if (from_stage && pass == 1) cp_async_wait_all(); /* this lane's copies (each lane reads only its own) */
 #pragma unroll
         for (int c = 0; c < C; c++) {
             const int k = kb + c * 32 + t * 8;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const int n = tile_n[j];
-                if (from_stage) wv[c][j] = staged[(((size_t)(pass - 1) * C + c) * NT + j) * 32 + lane];
+                if (from_stage) wv[c][j] = *staged_slot(pass - 1, c, j);
                 else wv[c][j] = k < p.k && n < p.n ? load_stream(p.w + (size_t)n * p.k + k) : zero;
             }
             /* the adaptive scale is a constant of the step, not the previous kernel's output: load it early */
@@ -268,11 +266,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
                     for (int j = 0; j < NT; j++) {
                         const int n = tile_n[j];
                         const bool valid = k < p.k && n < p.n;
-                        stage_stream(&staged[(((size_t)q * C + c) * NT + j) * 32 + lane],
-                                     valid ? p.w + (size_t)n * p.k + k : p.w, valid);
+                        stage_stream(staged_slot(q, c, j), valid ? p.w + (size_t)n * p.k + k : p.w, valid);
                     }
                 }
-            stage_commit();
+            cp_async_commit();
         }
         pdl_wait(); /* x is the previous kernel's output (a no-op after the first pass) */
         uint4 xa[C], xb[C];
@@ -407,9 +404,9 @@ Shape choose_shape(int m, int n, int k, int rope, int scale, int max_warps) {
  * 4) loaded their weights only once the pass before was done with its registers, so every such pass added a memory round
  * trip to the chain after the wait. Their fragments are instead copied into shared memory before the wait, queued behind
  * the first pass's loads, and read from there (the same values, so the same results to the bit). As many passes as fit
- * beside the warps' partials in 48 KB (the most a block has without opting in), one row tile only (two tiles' kernels are at their register limit), and not with
- * Pi0.5's adaptive scale: its staged gate|up cost Pi0.5's denoise 0.02 ms where Pi0's gained 0.02-0.03 (why is not
- * probed). PI0_STAGE=0 turns it off (A/B runs). Lab (H200): down 5.71 -> 5.29 us, gate|up 7.27 -> 6.98, the layer 24.31
+ * beside the warps' partials in 48 KB (the most a block has without opting in), one row tile only (two tiles' kernels
+ * are at their register limit), and not with Pi0.5's adaptive scale: its staged gate|up cost Pi0.5's denoise 0.02 ms
+ * where Pi0's gained 0.02-0.03 (why is not probed). PI0_STAGE=0 turns it off (A/B runs). Lab (H200): down 5.71 -> 5.29 us, gate|up 7.27 -> 6.98, the layer 24.31
  * -> 23.84 (bench/NOTES.md, session 42).
  */
 constexpr size_t kMaxSmemBytes = 48 * 1024;
@@ -630,9 +627,16 @@ extern "C" int pi0_cuda_skinny_block_supported(int width, int mlp_dim, int head_
     return width > 0 && width % 8 == 0 && mlp_dim > 0 && mlp_dim % 8 == 0 && head_dim > 0 && head_dim % 16 == 0;
 }
 
-extern "C" size_t pi0_cuda_skinny_shared_bytes(const skinny_args *a, int *staged_passes) {
+/* The shape and the staged passes pi0_cuda_skinny_linear launches a call's arguments with. */
+static Shape call_shape(const skinny_args *a, int *staged_passes) {
     const Shape s = choose_shape(a->m, a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL, a->max_warps);
-    const int passes = staged_passes_for(s, a->k, a->in_scale != NULL);
+    *staged_passes = staged_passes_for(s, a->k, a->in_scale != NULL);
+    return s;
+}
+
+extern "C" size_t pi0_cuda_skinny_shared_bytes(const skinny_args *a, int *staged_passes) {
+    int passes;
+    const Shape s = call_shape(a, &passes);
     if (staged_passes) *staged_passes = passes;
     return partials_bytes(s.warps, s.nt, s.row_tiles) + staged_bytes(s.warps, s.chunks, s.nt, passes);
 }
@@ -642,8 +646,7 @@ extern "C" cudaError_t pi0_cuda_skinny_linear(const skinny_args *a, cudaStream_t
     SkinnyParams p = {a->m, a->n, a->k, a->x, a->w, a->rms_norm, a->eps, a->in_scale, a->col_bias, a->epilogue,
                       a->out, a->out_f32, a->residual, a->residual_bf16, a->gate, a->heads, a->kv_heads, a->head_dim,
                       a->positions, a->cache_rows, a->rope_cos, a->rope_sin, a->cache_k, a->cache_v, 0};
-    const Shape s = choose_shape(a->m, a->n, a->k, a->epilogue == SKINNY_ROPE_QKV, a->in_scale != NULL, a->max_warps);
-    p.staged_passes = staged_passes_for(s, a->k, a->in_scale != NULL);
+    const Shape s = call_shape(a, &p.staged_passes);
     /* C 8 never comes with in_scale (choose_shape), so only C 4 has both variants */
     const Launch l = {a->plain_launch != 0, a->smem_carveout, stream};
     if (s.chunks == 8) return launch_as<1, 8, 1, false>(p, s.warps, l);
