@@ -19,7 +19,7 @@
  *   PI0_ATTN_DECODE=0   the tiled attention instead of the few-queries one for small denoise steps
  *   PI0_ATTN_SPLIT=n    cap the key split of the tiled attention at n blocks
  *   PI0_ATTN_WGMMA=0    the mma.sync tiled attention instead of the wgmma/TMA one at head dims 256 and 72 (H100/H200)
- *   PI0_PDL=0           no programmatic dependent launch between the denoise kernels (sm_90+)
+ *   PI0_PDL=0           no programmatic dependent launch (the denoise kernels, the prefix's gate|up; sm_90+)
  *   PI0_BESIDE=0        a graph's first denoise step after the prefix instead of beside it (CUDA, <= 64 suffix rows)
  *   PI0_PARTS=0         cuBLASLt's own split-K reductions instead of partial sums added by the next norm (CUDA)
  *   PI0_GATE_UP=0       the prefix's gate|up through cuBLASLt, then gelu x up, instead of one fused kernel (H100/H200)

@@ -24,6 +24,12 @@
  * lost); the 136 kernel's wide unit still padded 19% and lost 7 us a layer to cuBLASLt; the 144 kernel wins 8
  * (bench/NOTES.md, session 30).
  *
+ * It launches as a programmatic dependent of the norm before it (device.cuh): the producer copies the first unit's
+ * first kStages stages' weights, which no kernel writes, before `griddepcontrol.wait`, and the tokens after it, so a
+ * block's first DRAM round trip overlaps the norm's last blocks instead of following them. Prefix -0.01 to -0.03 ms in
+ * six same-call pairs on an H200 (seed, Pi0.5, three cameras; bench/NOTES.md, session 43). PI0_PDL=0 launches it
+ * plainly.
+ *
  * Epilogue: in wgmma's accumulator layout thread (g = lane / 4) holds rows g and g + 8 of its warp's 16, so gate_j
  * (row 2j) and up_j (row 2j + 1) sit in lanes 4 apart; one shuffle gives each thread both halves of one pair per
  * column. Gate and up are rounded to bf16 before gelu x up, as cuBLASLt's bf16 output and pi0_cuda_gelu_mul do, so the
@@ -230,6 +236,29 @@ template <int N>
     }
 }
 
+/* A stage's weight rows (128, or a wide unit's 256) by tensor copy, announcing on its full barrier every byte the
+ * stage will bring (the tokens' too, load_tokens). */
+template <int N>
+[[maybe_unused]] __device__ __forceinline__ void load_weights(uint32_t stage, uint32_t bar, const CUtensorMap *w_map,
+                                                              const UnitOrigin &o, int kt) {
+    mbar_expect_bytes(bar, o.wide ? 2 * kWBytes + N * 128 : kWBytes + 2 * N * 128);
+    tma_load_2d(stage, w_map, kt * kBK, o.w_row0, bar);
+    if (o.wide) tma_load_2d(stage + kWBytes, w_map, kt * kBK, o.w_row0 + kTileW, bar);
+}
+
+/* A stage's tokens, multicast into both blocks of the cluster: a wide unit's N by rank 0, a narrow unit's 2N half by
+ * each rank. */
+template <int N>
+[[maybe_unused]] __device__ __forceinline__ void load_tokens(uint32_t stage, uint32_t bar, const CUtensorMap *x_map,
+                                                             const UnitOrigin &o, int kt, unsigned rank) {
+    const uint16_t both = (uint16_t)((1u << kCluster) - 1);
+    if (o.wide) {
+        if (rank == 0) tma_load_2d_multicast(stage + 2 * kWBytes, x_map, kt * kBK, o.tok0, bar, both);
+    } else {
+        tma_load_2d_multicast(stage + kWBytes + rank * N * 128, x_map, kt * kBK, o.tok0 + (int)rank * N, bar, both);
+    }
+}
+
 /*
  * Persistent: each cluster walks the work units (count_units, unit_origin) cluster_id, cluster_id + num_clusters, ....
  * The ring of stages runs on across units: while the products' warpgroups write one unit's epilogue, the producer is
@@ -264,31 +293,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (wg == 0) {
         regs_decrease<40>();
         if (threadIdx.x == 0) {
+            /* The first unit's first stages' weights go out before the wait: no kernel writes them, so their DRAM
+             * round trip overlaps the end of the kernel before (the norm that writes the tokens). */
+            const int first = (int)blockIdx.x / kCluster;
+            const int early = first < units.total ? (k_steps < kStages ? k_steps : kStages) : 0;
+            if (early) {
+                const UnitOrigin o = unit_origin<N>(first, units, rank);
+                for (int kt = 0; kt < early; kt++)
+                    load_weights<N>(ring + kt * kStageBytes, smem_addr(&full[kt]), &w_map, o, kt);
+            }
+            pdl_wait(); /* the tokens are the kernel before's output */
             int it = 0; /* k steps issued, over all units: the ring's position */
-            for (int unit = (int)blockIdx.x / kCluster; unit < units.total; unit += num_clusters) {
+            for (int unit = first; unit < units.total; unit += num_clusters) {
                 const UnitOrigin o = unit_origin<N>(unit, units, rank);
                 for (int kt = 0; kt < k_steps; kt++, it++) {
                     const int s = it % kStages;
                     const uint32_t stage = ring + s * kStageBytes, bar = smem_addr(&full[s]);
-                    mbar_wait(smem_addr(&empty[s]), ((unsigned)(it / kStages) & 1) ^ 1); /* both blocks done with it */
-                    if (o.wide) { /* 256 weight rows; rank 0 copies the N tokens into both blocks */
-                        mbar_expect_bytes(bar, 2 * kWBytes + N * 128);
-                        tma_load_2d(stage, &w_map, kt * kBK, o.w_row0, bar);
-                        tma_load_2d(stage + kWBytes, &w_map, kt * kBK, o.w_row0 + kTileW, bar);
-                        if (rank == 0)
-                            tma_load_2d_multicast(stage + 2 * kWBytes, &x_map, kt * kBK, o.tok0, bar,
-                                                  (uint16_t)((1u << kCluster) - 1));
-                    } else { /* 128 weight rows; each rank copies half of the 2N tokens into both blocks */
-                        mbar_expect_bytes(bar, kWBytes + 2 * N * 128);
-                        tma_load_2d(stage, &w_map, kt * kBK, o.w_row0, bar);
-                        tma_load_2d_multicast(stage + kWBytes + rank * N * 128, &x_map, kt * kBK, o.tok0 + (int)rank * N,
-                                              bar, (uint16_t)((1u << kCluster) - 1));
+                    if (it >= early) { /* the early stages are fresh, their weights on the way */
+                        mbar_wait(smem_addr(&empty[s]), ((unsigned)(it / kStages) & 1) ^ 1); /* both blocks done with it */
+                        load_weights<N>(stage, bar, &w_map, o, kt);
                     }
+                    load_tokens<N>(stage, bar, &x_map, o, kt, rank);
                 }
             }
         }
     } else {
         regs_increase<232>();
+        pdl_wait(); /* the outputs overwrite what kernels before may read */
         const int c = wg - 1; /* this warpgroup's share of the tile's weight rows */
         const int warp = (threadIdx.x % 128) / 32;
         int it = 0;
@@ -365,12 +396,12 @@ static cudaError_t launch(__nv_bfloat16 *out, const pi0_bf16 *x, const pi0_bf16 
         !matrix_map(&out_map, out, rows, mlp, N))
         return cudaErrorInvalidValue;
     const int units = count_units<N>(rows, mlp).total, clusters = units < sms / kCluster ? units : sms / kCluster;
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kCluster, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(clusters * kCluster)), cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem_bytes<N>(), cfg.stream = stream, cfg.attrs = &cluster, cfg.numAttrs = 1;
+    cudaLaunchAttribute attrs[2];
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = kCluster, attrs[0].val.clusterDim.y = 1, attrs[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = launch_config(dim3((unsigned)(clusters * kCluster)), dim3(kThreads), smem_bytes<N>(), stream);
+    cfg.attrs = attrs, cfg.numAttrs = 1;
+    make_dependent(&cfg, attrs); /* after the norm that writes its tokens (forward.c) */
     return cudaLaunchKernelEx(&cfg, gate_up_gelu_kernel<N>, w_map, x_map, out_map, rows, mlp, (k + kBK - 1) / kBK);
 }
 

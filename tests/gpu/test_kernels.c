@@ -214,29 +214,41 @@ TEST(gelu_mul_matches_cpu) {
 /* gelu(x w_gate^T) x (x w_up^T) in one Hopper kernel (gate_up.cu) against cpu_linear and cpu_gelu_mul, gate and up
  * rounded to bf16 in between as the kernel (and the cuBLASLt path) does. The sizes straddle the kernel's tiles: both of
  * its token tilings (2 x 136 with a last wide tile of 136 or fewer, or 144 each), weight rows in super-tiles of 512,
- * k in steps of 64 (a tail the tensor copies fill with zeros). */
-static void gate_up_gelu_case(int rows, int mlp, int k) {
+ * k in steps of 64 (a tail the tensor copies fill with zeros). With after_norm, x is RMSNorm's output, written into
+ * a poisoned buffer by the kernel launched just before, as in the prefix, where the product runs as a programmatic
+ * dependent of that norm and copies its first stages' weights before its wait. What this does not force is the race
+ * a token copy issued before the wait would open: a mutant doing that passed it three times on an H200 (session 43),
+ * because the product's blocks each need a whole multiprocessor, which the norm's blocks leave only as they finish. */
+static void gate_up_gelu_case_from(int rows, int mlp, int k, int after_norm) {
     size_t nx = (size_t)rows * k, nw = (size_t)2 * mlp * k, nout = (size_t)rows * mlp;
     float *x = malloc(nx * 4), *w = malloc(nw * 4), *both = malloc((size_t)rows * 2 * mlp * 4);
-    float *gate = malloc(nout * 4), *up = malloc(nout * 4);
-    fill_uniform(x, nx, 1.0f), fill_uniform(w, nw, 2.0f / sqrtf((float)k));
+    float *gate = malloc(nout * 4), *up = malloc(nout * 4), *normed = malloc(nx * 4), *norm_w = malloc((size_t)k * 4);
+    fill_uniform(x, nx, 1.0f), fill_uniform(w, nw, 2.0f / sqrtf((float)k)), fill_uniform(norm_w, k, 0.3f);
     uint16_t *xb = to_bf16_rounding(x, nx), *wb = to_bf16_rounding(w, nw);
-    cpu_linear(both, x, rows, k, w, NULL, 2 * mlp); /* w's rows interleaved (gate_j, up_j) */
+    if (after_norm) cpu_rmsnorm(normed, x, rows, k, norm_w, 1e-6f);
+    cpu_linear(both, after_norm ? normed : x, rows, k, w, NULL, 2 * mlp); /* w's rows interleaved (gate_j, up_j) */
     for (size_t r = 0; r < (size_t)rows; r++)
         for (size_t j = 0; j < (size_t)mlp; j++) {
             gate[r * mlp + j] = bf16_value(bf16_bits(both[r * 2 * mlp + 2 * j]));
             up[r * mlp + j] = bf16_value(bf16_bits(both[r * 2 * mlp + 2 * j + 1]));
         }
     cpu_gelu_mul(gate, up, nout);
-    pi0_bf16 *dx = dev_upload(xb, nx * 2), *dw = dev_upload(wb, nw * 2), *dout = dev_poisoned(nout * 2);
+    pi0_bf16 *dx = after_norm ? dev_poisoned(nx * 2) : dev_upload(xb, nx * 2), *dw = dev_upload(wb, nw * 2);
+    pi0_bf16 *dout = dev_poisoned(nout * 2);
+    float *dxf = after_norm ? dev_upload(x, nx * 4) : NULL, *dnw = after_norm ? dev_upload(norm_w, (size_t)k * 4) : NULL;
+    CUDA_OK(cudaDeviceSynchronize());
+    if (after_norm) CUDA_OK(pi0_cuda_rmsnorm(dx, dxf, NULL, rows, k, dnw, 1e-6f, 1, 0));
     CUDA_OK(pi0_cuda_gate_up_gelu(dout, dx, dw, rows, mlp, k, 0));
     CUDA_OK(cudaDeviceSynchronize());
     float *got = download_bf16(dout, nout);
     double e = rel_error(got, gate, nout);
-    CHECK(all_finite(got, nout) && e <= TOL_BF16_OUT, "gate_up_gelu %d x %d x %d: %.3g", rows, mlp, k, e);
-    free(x), free(w), free(both), free(gate), free(up), free(xb), free(wb), free(got);
-    cudaFree(dx), cudaFree(dw), cudaFree(dout);
+    CHECK(all_finite(got, nout) && e <= TOL_BF16_OUT, "gate_up_gelu %d x %d x %d%s: %.3g", rows, mlp, k,
+          after_norm ? " after RMSNorm" : "", e);
+    free(x), free(w), free(both), free(gate), free(up), free(normed), free(norm_w), free(xb), free(wb), free(got);
+    cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(dxf), cudaFree(dnw);
 }
+
+static void gate_up_gelu_case(int rows, int mlp, int k) { gate_up_gelu_case_from(rows, mlp, k, 0); }
 
 TEST(gate_up_gelu_matches_cpu) {
     if (!pi0_cuda_gate_up_gelu_fits(1, 256, 64)) SKIP("not an sm_90a device (or build), or no tensor maps in its driver");
@@ -250,6 +262,7 @@ TEST(gate_up_gelu_matches_cpu) {
                                           * still passed, session 32) */
     gate_up_gelu_case(572, 16384, 2048); /* Pi0.5's prefix at a 60-token prompt: the 144 kernel, four tiles */
     gate_up_gelu_case(532, 16384, 2048); /* the seed's prefix */
+    gate_up_gelu_case_from(532, 16384, 2048, 1); /* ... after the norm that writes its tokens, as in the prefix */
     CHECK(!pi0_cuda_gate_up_gelu_fits(16, 384, 64) && !pi0_cuda_gate_up_gelu_fits(16, 256, 60),
           "dims outside the kernel's tiles are refused");
 }
