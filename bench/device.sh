@@ -35,7 +35,7 @@ make_args=(BLAS_CFLAGS="-I$root/usr/include/x86_64-linux-gnu/openblas-openmp" BL
            WITH_SERVER=1 SERVER_CFLAGS="-I$root/usr/include" SERVER_LIBS="-L$lib -L$root/lib/x86_64-linux-gnu -lmsgpackc -lwebsockets -l:libcap.so.2"
            CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a")
 
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,vbios_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.limit,pstate --format=csv | tee "$OUT/gpu.txt"
 make -j16 "${make_args[@]}" all > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 gpu_tests=$(ls tests/gpu/test_*.c | sed 's#tests/gpu/\(.*\)\.c#build/tests/gpu/\1#')
 make -j16 "${make_args[@]}" build/bench/layer_lab build/bench/gate_up_lab $gpu_tests >> "$OUT/build.log" 2>&1 \
