@@ -38,5 +38,29 @@ for src in src/cuda/*.cu; do
         passed=$((passed + 1)); echo "ok   $name: $kernels kernels, $waiting of them wait (griddepcontrol.wait), none reads through ld.global.nc"
     fi
 done
+
+# The prefix's gate|up (gate_up.cu) copies its first stages' weights before its wait and its tokens, the norm's output,
+# after it. The GPU test cannot force the race a token copy before the wait would open (the kernel's blocks take whole
+# multiprocessors, which the norm leaves only as it ends), so the order is checked here, in the PTX of each of its
+# kernels: after the first weight copy (a tensor load into the cluster's shared memory, not multicast) comes a
+# griddepcontrol.wait, and only then the first token copy (the multicast ones).
+name=pdl_order_gate_up
+if ! "$nvcc" -ptx -O3 -std=c++17 -arch=compute_90a --expt-relaxed-constexpr -DPI0_SM90A_BUILD -Iinclude -Isrc \
+     src/cuda/gate_up.cu -o "$tmp/g.ptx" 2>"$tmp/err"; then
+    failed=$((failed + 1)); echo "FAIL $name: nvcc -ptx failed"; tail -n 20 "$tmp/err"
+else
+    report=$(awk '/^(\.visible |\.weak )?\.entry / { k = $NF; sub(/\($/, "", k); gu = k ~ /gate_up_gelu_kernel/; if (gu) { n++; w[k] = 0; ok[k] = 0; bad[k] = 0; order[n] = k } }
+                  gu && /cp\.async\.bulk\.tensor.*shared::cluster\.global/ {
+                      if (/multicast/) { if (!(w[k] == 2)) bad[k] = 1; else ok[k] = 1 }
+                      else if (w[k] == 0) w[k] = 1 }
+                  gu && /griddepcontrol\.wait/ && w[k] == 1 { w[k] = 2 }
+                  END { for (i = 1; i <= n; i++) print order[i], (ok[order[i]] && !bad[order[i]]) ? "ordered" : "UNORDERED" }' "$tmp/g.ptx")
+    if [ -z "$report" ] || printf '%s\n' "$report" | grep -q UNORDERED; then
+        failed=$((failed + 1)); echo "FAIL $name: a token copy is not after the wait that follows the first weight copies"
+        printf '%s\n' "${report:-  no gate_up_gelu_kernel in the PTX}"
+    else
+        passed=$((passed + 1)); echo "ok   $name: $(printf '%s\n' "$report" | wc -l) kernels copy weights, wait, then tokens"
+    fi
+fi
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -218,11 +218,13 @@ TEST(gelu_mul_matches_cpu) {
  * a poisoned buffer by the kernel launched just before, as in the prefix, where the product runs as a programmatic
  * dependent of that norm and copies its first stages' weights before its wait. What this does not force is the race
  * a token copy issued before the wait would open: a mutant doing that passed it three times on an H200 (session 43),
- * because the product's blocks each need a whole multiprocessor, which the norm's blocks leave only as they finish. */
+ * because the product's blocks each need a whole multiprocessor, which the norm's blocks leave only as they finish;
+ * tests/pdl_loads.sh (pdl_order_gate_up, no GPU) checks that order in the kernel's PTX instead. */
 static void gate_up_gelu_case_from(int rows, int mlp, int k, int after_norm) {
     size_t nx = (size_t)rows * k, nw = (size_t)2 * mlp * k, nout = (size_t)rows * mlp;
     float *x = malloc(nx * 4), *w = malloc(nw * 4), *both = malloc((size_t)rows * 2 * mlp * 4);
-    float *gate = malloc(nout * 4), *up = malloc(nout * 4), *normed = malloc(nx * 4), *norm_w = malloc((size_t)k * 4);
+    float *gate = malloc(nout * 4), *up = malloc(nout * 4), *norm_w = malloc((size_t)k * 4);
+    float *normed = after_norm ? malloc(nx * 4) : NULL;
     fill_uniform(x, nx, 1.0f), fill_uniform(w, nw, 2.0f / sqrtf((float)k)), fill_uniform(norm_w, k, 0.3f);
     uint16_t *xb = to_bf16_rounding(x, nx), *wb = to_bf16_rounding(w, nw);
     if (after_norm) cpu_rmsnorm(normed, x, rows, k, norm_w, 1e-6f);
