@@ -65,18 +65,29 @@ static __device__ __forceinline__ float sum_squares(const float4 (&v)[NORM_VEC],
     return sq;
 }
 
-/* out[4i..4i+3] = (v - shift) * scale * (w_add + w) + b for this thread's groups (w, b may be NULL). */
+/* This thread's float4 groups of a per-column vector (a norm's weight, bias or shift), zeros for NULL. The norms load
+ * them with the row, before its statistics: a load after a store to `out` (which may alias it) waits for that store's
+ * turn, so loaded while storing they were one more memory round trip a group at the kernel's end. */
+static __device__ __forceinline__ void load_vec(float4 (&g)[NORM_VEC], const float *w, int dim) {
+    if (w) load_row(g, w, dim);
+    else
+#pragma unroll
+        for (int q = 0; q < NORM_VEC; q++) g[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+/* out[4i..4i+3] = (v - shift) * scale * (w_add + w) + b for this thread's groups, w and b loaded (load_vec). */
 static __device__ __forceinline__ void store_row(__nv_bfloat16 *out, const float4 (&v)[NORM_VEC], int dim, float shift,
-                                                 float scale, const float *w, float w_add, const float *b) {
+                                                 float scale, const float4 (&g)[NORM_VEC], float w_add,
+                                                 const float4 (&o)[NORM_VEC]) {
 #pragma unroll
     for (int q = 0; q < NORM_VEC; q++) {
         int i = threadIdx.x + q * NORM_THREADS;
         if (i >= dim / 4) continue;
-        float4 g = w ? reinterpret_cast<const float4 *>(w)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-        float4 o = b ? reinterpret_cast<const float4 *>(b)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
         uint2 r;
-        r.x = pack_bf16((v[q].x - shift) * scale * (w_add + g.x) + o.x, (v[q].y - shift) * scale * (w_add + g.y) + o.y);
-        r.y = pack_bf16((v[q].z - shift) * scale * (w_add + g.z) + o.z, (v[q].w - shift) * scale * (w_add + g.w) + o.w);
+        r.x = pack_bf16((v[q].x - shift) * scale * (w_add + g[q].x) + o[q].x,
+                        (v[q].y - shift) * scale * (w_add + g[q].y) + o[q].y);
+        r.y = pack_bf16((v[q].z - shift) * scale * (w_add + g[q].z) + o[q].z,
+                        (v[q].w - shift) * scale * (w_add + g[q].w) + o[q].w);
         reinterpret_cast<uint2 *>(out)[i] = r;
     }
 }
@@ -86,13 +97,15 @@ static __global__ void layernorm_kernel(__nv_bfloat16 *out, const float *in, int
     const float *x = in + (size_t)blockIdx.x * dim;
     out += (size_t)blockIdx.x * dim;
     if (in_registers) {
-        float4 v[NORM_VEC];
+        float4 v[NORM_VEC], g[NORM_VEC], o[NORM_VEC];
         load_row(v, x, dim);
+        load_vec(g, w, dim), load_vec(o, b, dim);
         float sum = 0;
 #pragma unroll
         for (int q = 0; q < NORM_VEC; q++) sum += v[q].x + v[q].y + v[q].z + v[q].w;
         float mean = block_sum(sum) / (float)dim;
-        store_row(out, v, dim, mean, rsqrtf(block_sum(sum_squares(v, dim, mean)) / (float)dim + eps), w, 0.0f, b);
+        float inv = rsqrtf(block_sum(sum_squares(v, dim, mean)) / (float)dim + eps);
+        store_row(out, v, dim, mean, inv, g, 0.0f, o);
         return;
     }
     float sum = 0;
@@ -113,9 +126,11 @@ static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const
     const float *x = in + (size_t)row * dim;
     out += (size_t)blockIdx.x * dim;
     if (in_registers) {
-        float4 v[NORM_VEC];
+        float4 v[NORM_VEC], g[NORM_VEC], o[NORM_VEC];
         load_row(v, x, dim);
-        store_row(out, v, dim, 0.0f, rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps), w, 1.0f, shift);
+        load_vec(g, w, dim), load_vec(o, shift, dim);
+        float inv = rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps);
+        store_row(out, v, dim, 0.0f, inv, g, 1.0f, o);
         return;
     }
     float sq = 0;
@@ -136,12 +151,13 @@ static __global__ void add_parts_rmsnorm_kernel(__nv_bfloat16 *out, float *x, co
     pdl_trigger(); /* a dependent at few rows (launch_for_rows) */
     pdl_wait();
     const size_t at = (size_t)blockIdx.x * dim;
-    float4 v[NORM_VEC], y[MAX_PARTS][NORM_VEC], g[NORM_VEC];
+    float4 v[NORM_VEC], y[MAX_PARTS][NORM_VEC], g[NORM_VEC], nw[NORM_VEC], ns[NORM_VEC];
     load_row(v, x + at, dim);
 #pragma unroll
     for (int p = 0; p < MAX_PARTS; p++) /* every load issued before the first add */
         if (p < num_parts) load_row(y[p], parts + p * part_elems + at, dim);
     if (gate) load_row(g, gate, dim);
+    load_vec(nw, w, dim), load_vec(ns, shift, dim);
 #pragma unroll
     for (int p = 1; p < MAX_PARTS; p++)
         if (p < num_parts)
@@ -158,7 +174,8 @@ static __global__ void add_parts_rmsnorm_kernel(__nv_bfloat16 *out, float *x, co
         int i = threadIdx.x + q * NORM_THREADS;
         if (i < dim / 4) reinterpret_cast<float4 *>(x + at)[i] = v[q];
     }
-    store_row(out + at, v, dim, 0.0f, rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps), w, 1.0f, shift);
+    float inv = rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps);
+    store_row(out + at, v, dim, 0.0f, inv, nw, 1.0f, ns);
 }
 
 static __global__ void one_plus_bf16_kernel(__nv_bfloat16 *out, const float *scale, size_t n) {
@@ -221,14 +238,25 @@ static __device__ __forceinline__ void rope_pair(__nv_bfloat16 *head, int i, int
     dst[i + half] = __float2bfloat16(x2 * c[i] + x1 * s[i]);
 }
 
-/* The same for pairs i..i+3 (i a multiple of 4): 8-byte loads and stores of bf16, 16-byte loads of the tables. */
-static __device__ __forceinline__ void rope_pairs4(const __nv_bfloat16 *head, int i, int half, const float *c,
-                                                   const float *s, __nv_bfloat16 *dst) {
-    const uint2 a = *reinterpret_cast<const uint2 *>(head + i), b = *reinterpret_cast<const uint2 *>(head + i + half);
-    const float4 cv = *reinterpret_cast<const float4 *>(c + i), sv = *reinterpret_cast<const float4 *>(s + i);
-    const float x1[4] = {bf16_lo(a.x), bf16_hi(a.x), bf16_lo(a.y), bf16_hi(a.y)};
-    const float x2[4] = {bf16_lo(b.x), bf16_hi(b.x), bf16_lo(b.y), bf16_hi(b.y)};
-    const float cs[4] = {cv.x, cv.y, cv.z, cv.w}, sn[4] = {sv.x, sv.y, sv.z, sv.w};
+/* Four pairs i..i+3 of a head (i a multiple of 4) and their factors: 8-byte loads of bf16, 16-byte loads of the tables. */
+typedef struct {
+    uint2 x1, x2;
+    float4 c, s;
+} rope_group;
+
+static __device__ __forceinline__ rope_group load_rope_group(const __nv_bfloat16 *head, int i, int half, const float *c,
+                                                             const float *s) {
+    rope_group g;
+    g.x1 = *reinterpret_cast<const uint2 *>(head + i), g.x2 = *reinterpret_cast<const uint2 *>(head + i + half);
+    g.c = *reinterpret_cast<const float4 *>(c + i), g.s = *reinterpret_cast<const float4 *>(s + i);
+    return g;
+}
+
+/* The group rotated (as rope_pair) into dst. */
+static __device__ __forceinline__ void store_rope_group(const rope_group &g, int i, int half, __nv_bfloat16 *dst) {
+    const float x1[4] = {bf16_lo(g.x1.x), bf16_hi(g.x1.x), bf16_lo(g.x1.y), bf16_hi(g.x1.y)};
+    const float x2[4] = {bf16_lo(g.x2.x), bf16_hi(g.x2.x), bf16_lo(g.x2.y), bf16_hi(g.x2.y)};
+    const float cs[4] = {g.c.x, g.c.y, g.c.z, g.c.w}, sn[4] = {g.s.x, g.s.y, g.s.z, g.s.w};
     float y1[4], y2[4];
 #pragma unroll
     for (int e = 0; e < 4; e++) y1[e] = x1[e] * cs[e] - x2[e] * sn[e], y2[e] = x2[e] * cs[e] + x1[e] * sn[e];
@@ -251,15 +279,33 @@ static __global__ void rope_qkv_kernel(__nv_bfloat16 *qkv, int heads, int kv_hea
     __nv_bfloat16 *v_out = cache_v + (size_t)cache_rows[blockIdx.x] * kv_dim;
     __nv_bfloat16 *k = row + heads * head_dim, *v = k + kv_dim;
     if (vec) {
-        const int groups = half / 4; /* 4-pair groups a head */
-        for (int t = threadIdx.x; t < heads * groups; t += blockDim.x) {
-            __nv_bfloat16 *head = row + (t / groups) * head_dim;
-            rope_pairs4(head, (t % groups) * 4, half, c, s, head);
+        const int groups = half / 4, t = threadIdx.x; /* 4-pair groups a head */
+        if (heads * groups <= (int)blockDim.x && kv_heads * groups <= (int)blockDim.x &&
+            kv_dim / 8 <= (int)blockDim.x) {
+            /* One group of q, of k and 8 values of v a thread at most (Gemma's 256: 256 threads): every load before the
+             * first store. A store into the row may alias the loads after it, which then wait for it: in the loops below
+             * the first warp took three memory round trips in a row (q, then k, then v). */
+            const bool has_q = t < heads * groups, has_k = t < kv_heads * groups, has_v = t < kv_dim / 8;
+            const int i = (t % groups) * 4, h = t / groups;
+            rope_group q_group, k_group;
+            uint4 v_values;
+            if (has_q) q_group = load_rope_group(row + h * head_dim, i, half, c, s);
+            if (has_k) k_group = load_rope_group(k + h * head_dim, i, half, c, s);
+            if (has_v) v_values = reinterpret_cast<const uint4 *>(v)[t];
+            if (has_q) store_rope_group(q_group, i, half, row + h * head_dim);
+            if (has_k) store_rope_group(k_group, i, half, k_out + h * head_dim);
+            if (has_v) reinterpret_cast<uint4 *>(v_out)[t] = v_values;
+            return;
         }
-        for (int t = threadIdx.x; t < kv_heads * groups; t += blockDim.x)
-            rope_pairs4(k + (t / groups) * head_dim, (t % groups) * 4, half, c, s, k_out + (t / groups) * head_dim);
-        for (int t = threadIdx.x; t < kv_dim / 8; t += blockDim.x)
-            reinterpret_cast<uint4 *>(v_out)[t] = reinterpret_cast<const uint4 *>(v)[t];
+        for (int u = t; u < heads * groups; u += blockDim.x) {
+            __nv_bfloat16 *head = row + (u / groups) * head_dim;
+            store_rope_group(load_rope_group(head, (u % groups) * 4, half, c, s), (u % groups) * 4, half, head);
+        }
+        for (int u = t; u < kv_heads * groups; u += blockDim.x)
+            store_rope_group(load_rope_group(k + (u / groups) * head_dim, (u % groups) * 4, half, c, s), (u % groups) * 4,
+                             half, k_out + (u / groups) * head_dim);
+        for (int u = t; u < kv_dim / 8; u += blockDim.x)
+            reinterpret_cast<uint4 *>(v_out)[u] = reinterpret_cast<const uint4 *>(v)[u];
         return;
     }
     for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
