@@ -279,33 +279,23 @@ static __global__ void rope_qkv_kernel(__nv_bfloat16 *qkv, int heads, int kv_hea
     __nv_bfloat16 *v_out = cache_v + (size_t)cache_rows[blockIdx.x] * kv_dim;
     __nv_bfloat16 *k = row + heads * head_dim, *v = k + kv_dim;
     if (vec) {
-        const int groups = half / 4, t = threadIdx.x; /* 4-pair groups a head */
-        if (heads * groups <= (int)blockDim.x && kv_heads * groups <= (int)blockDim.x &&
-            kv_dim / 8 <= (int)blockDim.x) {
-            /* One group of q, of k and 8 values of v a thread at most (Gemma's 256: 256 threads): every load before the
-             * first store. A store into the row may alias the loads after it, which then wait for it: in the loops below
-             * the first warp took three memory round trips in a row (q, then k, then v). */
-            const bool has_q = t < heads * groups, has_k = t < kv_heads * groups, has_v = t < kv_dim / 8;
-            const int i = (t % groups) * 4, h = t / groups;
+        /* A thread's q group, k group and 8 values of v (4-pair groups a head), every load before the first store: a
+         * store into the row may alias the loads after it, which then wait for it (with a loop each, the first warp
+         * took three memory round trips in a row: q, then k, then v). One pass at Gemma's shapes (256 threads). */
+        const int groups = half / 4, q_items = heads * groups, k_items = kv_heads * groups, v_items = kv_dim / 8;
+        const int items = max(q_items, max(k_items, v_items));
+        for (int u = threadIdx.x; u < items; u += blockDim.x) {
+            const bool has_q = u < q_items, has_k = u < k_items, has_v = u < v_items;
+            const int i = (u % groups) * 4, h = u / groups;
             rope_group q_group, k_group;
             uint4 v_values;
             if (has_q) q_group = load_rope_group(row + h * head_dim, i, half, c, s);
             if (has_k) k_group = load_rope_group(k + h * head_dim, i, half, c, s);
-            if (has_v) v_values = reinterpret_cast<const uint4 *>(v)[t];
+            if (has_v) v_values = reinterpret_cast<const uint4 *>(v)[u];
             if (has_q) store_rope_group(q_group, i, half, row + h * head_dim);
             if (has_k) store_rope_group(k_group, i, half, k_out + h * head_dim);
-            if (has_v) reinterpret_cast<uint4 *>(v_out)[t] = v_values;
-            return;
+            if (has_v) reinterpret_cast<uint4 *>(v_out)[u] = v_values;
         }
-        for (int u = t; u < heads * groups; u += blockDim.x) {
-            __nv_bfloat16 *head = row + (u / groups) * head_dim;
-            store_rope_group(load_rope_group(head, (u % groups) * 4, half, c, s), (u % groups) * 4, half, head);
-        }
-        for (int u = t; u < kv_heads * groups; u += blockDim.x)
-            store_rope_group(load_rope_group(k + (u / groups) * head_dim, (u % groups) * 4, half, c, s), (u % groups) * 4,
-                             half, k_out + (u / groups) * head_dim);
-        for (int u = t; u < kv_dim / 8; u += blockDim.x)
-            reinterpret_cast<uint4 *>(v_out)[u] = reinterpret_cast<const uint4 *>(v)[u];
         return;
     }
     for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {

@@ -225,6 +225,28 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     if (rope && (int)threadIdx.x < ROWS * (NC / 2) && m0 + (int)threadIdx.x / (NC / 2) < p.m)
         early_rope = rope_at(p, m0 + (int)threadIdx.x / (NC / 2), i0 + (int)threadIdx.x % (NC / 2));
 
+    /* Outputs (columns, or column pairs) per block row: a power of two, so that the epilogue's index math is shifts
+     * (a division here is ~20 dependent instructions on the chain after the product). */
+    constexpr int LOG2_NC = NT == 2 ? 4 : 3;
+    static_assert(NC == 1 << LOG2_NC, "NC is 8 NT");
+
+    /* Pi0.5's column bias (its adaptive norm's shift through the Linear) of this thread's first output, or of both
+     * columns of its first pair: a constant of the step too, read now. Read in the epilogue it was one more memory
+     * round trip on the chain, after the block's barrier. One row tile only: with two, its registers spill more. */
+    float2 early_bias = make_float2(0.f, 0.f);
+    if (R == 1 && p.col_bias) {
+        int lo = -1, hi = -1;
+        if (rope && (int)threadIdx.x < ROWS * (NC / 2) && m0 + (int)threadIdx.x / (NC / 2) < p.m)
+            lo = head * p.head_dim + i0 + (int)threadIdx.x % (NC / 2), hi = lo + p.head_dim / 2;
+        else if (!rope) { /* the epilogue's first output below */
+            const int pairs = p.epilogue == SKINNY_GELU_MUL, row_shift = LOG2_NC - pairs, per_row = 1 << row_shift;
+            const int m = m0 + ((int)threadIdx.x >> row_shift), n = n0 + (((int)threadIdx.x & (per_row - 1)) << pairs);
+            if ((int)threadIdx.x < ROWS * per_row && m < p.m && n < p.n) lo = n, hi = pairs ? n + 1 : -1;
+        }
+        if (lo >= 0) early_bias.x = p.col_bias[lo];
+        if (hi >= 0) early_bias.y = p.col_bias[hi];
+    }
+
     float acc[R][NT][4], acc2[R][NT][4];
     float ss[R][2]; /* sums of squares of the lane's rows g and g + 8 of each tile */
 #pragma unroll
@@ -281,10 +303,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
         }
     }
 
-    /* Outputs (columns, or column pairs) per block row: a power of two, so that the epilogue's index math is shifts
-     * (a division here is ~20 dependent instructions on the chain after the product). */
-    constexpr int LOG2_NC = NT == 2 ? 4 : 3;
-    static_assert(NC == 1 << LOG2_NC, "NC is 8 NT");
     const int pairs = rope || p.epilogue == SKINNY_GELU_MUL, row_shift = LOG2_NC - pairs, per_row = 1 << row_shift;
 
     /* The residual (and gate) of this thread's first output, loaded now: the load overlaps the warps' reduction
@@ -342,9 +360,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
             if (m >= p.m) continue;
             const float scale = row_scale<ROWS>(p, sums, warps, row);
             const int col_lo = head * p.head_dim + i0 + c, col_hi = col_lo + p.head_dim / 2;
-            store_rope(p, m, head, i0 + c, column_total<NC, ROWS>(smem, warps, row, c) * scale + col_bias(p, col_lo),
-                       column_total<NC, ROWS>(smem, warps, row, c + half_cols) * scale + col_bias(p, col_hi),
-                       e == (int)threadIdx.x ? early_rope : rope_at(p, m, i0 + c));
+            const bool first = e == (int)threadIdx.x, bias_read = R == 1 && first; /* read above */
+            store_rope(p, m, head, i0 + c,
+                       column_total<NC, ROWS>(smem, warps, row, c) * scale + (bias_read ? early_bias.x : col_bias(p, col_lo)),
+                       column_total<NC, ROWS>(smem, warps, row, c + half_cols) * scale +
+                           (bias_read ? early_bias.y : col_bias(p, col_hi)),
+                       first ? early_rope : rope_at(p, m, i0 + c));
         }
         return;
     }
@@ -352,8 +373,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
         const int row = e >> row_shift, col = (e & (per_row - 1)) << pairs, m = m0 + row, n = n0 + col;
         if (m >= p.m || n >= p.n) continue;
         const float scale = row_scale<ROWS>(p, sums, warps, row);
-        const float v0 = column_total<NC, ROWS>(smem, warps, row, col) * scale + col_bias(p, n);
-        const float v1 = pairs ? column_total<NC, ROWS>(smem, warps, row, col + 1) * scale + col_bias(p, n + 1) : 0.f;
+        const bool first = e == (int)threadIdx.x, bias_read = R == 1 && first; /* read above */
+        const float v0 = column_total<NC, ROWS>(smem, warps, row, col) * scale + (bias_read ? early_bias.x : col_bias(p, n));
+        const float v1 = pairs ? column_total<NC, ROWS>(smem, warps, row, col + 1) * scale +
+                                     (bias_read ? early_bias.y : col_bias(p, n + 1))
+                               : 0.f;
         if (p.epilogue == SKINNY_STORE) {
             p.out[(size_t)m * p.n + n] = __bfloat16_as_ushort(__float2bfloat16(v0));
             if (p.out_f32) p.out_f32[(size_t)m * p.n + n] = v0;
@@ -361,7 +385,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
             p.out[(size_t)m * (p.n / 2) + n / 2] = __bfloat16_as_ushort(__float2bfloat16(gelu_tanh(v0) * v1));
         } else {
             const size_t i = (size_t)m * p.n + n;
-            const bool mine = early && e == (int)threadIdx.x; /* read above */
+            const bool mine = early && first; /* read above */
             const float r = (mine ? early_res : p.residual[i]) + (mine ? early_gate : p.gate ? p.gate[n] : 1.f) * v0;
             p.residual[i] = r;
             p.residual_bf16[i] = __bfloat16_as_ushort(__float2bfloat16(r));
@@ -464,6 +488,7 @@ constexpr int kEulerWarps = 8, kEulerChunks = 4, kEulerTiles = 4; /* the tail's 
 constexpr int kEulerCols = 8 * kEulerTiles;                        /* every action column in one block */
 constexpr int kEulerNextCols = 64;                                 /* the next Linear's columns a block */
 constexpr int kEulerMaxK = 32;                                     /* its k (action_dim): 4 x 8 bf16 a weight row */
+constexpr int kEulerOuts = (16 * kEulerCols + kEulerWarps * 32 - 1) / (kEulerWarps * 32); /* the update's outputs a thread */
 
 struct EulerParams {
     int rows, width, action_dim;
@@ -540,10 +565,17 @@ __global__ void __launch_bounds__(kEulerWarps * 32, 1) euler_kernel(EulerParams 
         tile_product<NT, C, SCALE, SPLIT>(acc, acc2, ss, xa, xb, wv, sv, 1);
     }
     pdl_wait(); /* a warp that ran no pass has not waited yet */
-    const int e0 = threadIdx.x, row_e = e0 / kEulerCols, col_e = e0 % kEulerCols; /* this thread's first output */
-    const bool early = row_e < e.rows && col_e < e.action_dim;
-    const float early_res = early ? e.x_t[(size_t)row_e * e.action_dim + col_e] : 0.f;
-    const float early_gate = early ? e.gate[col_e] : 1.f;
+    /* This thread's outputs of the update (rows <= 16 of kEulerCols columns: at most kEulerOuts a thread), their x_t, gate
+     * and bias loaded now: the loads overlap the warps' reduction below, and none waits behind the update's stores. */
+    float out_x[kEulerOuts], out_gate[kEulerOuts], out_bias[kEulerOuts];
+#pragma unroll
+    for (int o = 0; o < kEulerOuts; o++) {
+        const int i = threadIdx.x + o * kEulerWarps * 32, row = i / kEulerCols, col = i % kEulerCols;
+        const bool valid = row < e.rows && col < e.action_dim;
+        out_x[o] = valid ? e.x_t[(size_t)row * e.action_dim + col] : 0.f;
+        out_gate[o] = valid ? e.gate[col] : 0.f;
+        out_bias[o] = valid ? e.out_bias[col] : 0.f;
+    }
 
     if constexpr (SPLIT) {
 #pragma unroll
@@ -572,16 +604,15 @@ __global__ void __launch_bounds__(kEulerWarps * 32, 1) euler_kernel(EulerParams 
     __syncthreads();
 
     /* The update, as SKINNY_RESIDUAL's epilogue (the one column of a block there is one of the action_dim here). */
-    for (int i = threadIdx.x; i < e.rows * kEulerCols; i += blockDim.x) {
-        const int row = i / kEulerCols, col = i % kEulerCols;
-        if (col >= e.action_dim) continue;
+#pragma unroll
+    for (int o = 0; o < kEulerOuts; o++) {
+        const int i = threadIdx.x + o * kEulerWarps * 32, row = i / kEulerCols, col = i % kEulerCols;
+        if (row >= e.rows || col >= e.action_dim) continue;
         const float scale = row_scale<ROWS>(p, sums, kEulerWarps, row);
-        const float v0 = column_total<NC, ROWS>(part, kEulerWarps, row, col) * scale + e.out_bias[col];
-        const size_t at = (size_t)row * e.action_dim + col;
-        const bool first = i == (int)threadIdx.x && early;
-        const float r = (first ? early_res : e.x_t[at]) + (first ? early_gate : e.gate[col]) * v0;
+        const float v0 = column_total<NC, ROWS>(part, kEulerWarps, row, col) * scale + out_bias[o];
+        const float r = out_x[o] + out_gate[o] * v0;
         x_next[row * kEulerMaxK + col] = r;
-        if (blockIdx.x == 0) e.x_t_next[at] = r;
+        if (blockIdx.x == 0) e.x_t_next[(size_t)row * e.action_dim + col] = r;
     }
     if (!e.next_w) return;
     __syncthreads();

@@ -310,9 +310,9 @@ static void rope_case(int rows, int heads, int kv_heads, int hd) {
 }
 
 TEST(rope_qkv_matches_cpu) {
-    rope_case(1, 8, 1, 256); /* head dims in eights: 4 pairs and 8 values a thread, all loads first */
+    rope_case(1, 8, 1, 256); /* head dims in eights: 4 pairs and 8 values a thread, all loads first, one pass */
     rope_case(33, 8, 1, 256);
-    rope_case(3, 16, 2, 256); /* more groups than threads: the loops */
+    rope_case(3, 16, 2, 256); /* more groups than threads: two passes */
     rope_case(7, 4, 2, 32);
     rope_case(5, 3, 2, 8);
     rope_case(6, 3, 1, 12); /* not: a pair a thread */
