@@ -2,8 +2,9 @@
  * kernels.cu - the CUDA backend's row-wise and elementwise kernels.
  *
  * These are memory-bound and small next to the GEMMs: the design goal is one pass over the data
- * with float32 arithmetic, one block per row for the norms (a row of 1024..2048 floats fits a
- * block's registers twice over), and grid-stride loops elsewhere. For the denoise loop's few rows,
+ * with float32 arithmetic, one block per row for the RMSNorms (a row of 1024..2048 floats fits a
+ * block's registers twice over), a warp per row for the ViT's LayerNorm (1152 floats), and grid-stride
+ * loops elsewhere. For the denoise loop's few rows,
  * skinny.cu fuses the norms and gelu x up into its Linears; these kernels serve every other shape.
  */
 #include <cuda_bf16.h>
@@ -19,20 +20,24 @@ static __host__ __device__ __forceinline__ const __nv_bfloat16 *as_bf16(const pi
     return reinterpret_cast<const __nv_bfloat16 *>(p);
 }
 
-/* Sum over the block; every thread gets the result. Safe to call repeatedly. */
-static __device__ float block_sum(float v) {
-    __shared__ float warp_sums[32];
-    for (int offset = 16; offset; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    __syncthreads(); /* the previous call's readers are done with warp_sums */
-    if (lane == 0) warp_sums[warp] = v;
-    __syncthreads();
-    v = lane < warps ? warp_sums[lane] : 0.0f;
+/* Sum over the warp; every lane gets the result. */
+static __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;
 }
 
-/* Rows of up to 4 * NORM_VEC * NORM_THREADS floats (Pi0's 1152, 2048 and 1024) are normalized from
+/* Sum over the block; every thread gets the result. Safe to call repeatedly. */
+static __device__ float block_sum(float v) {
+    __shared__ float warp_sums[32];
+    v = warp_sum(v);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    __syncthreads(); /* the previous call's readers are done with warp_sums */
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < warps ? warp_sums[lane] : 0.0f);
+}
+
+/* RMSNorm rows of up to 4 * NORM_VEC * NORM_THREADS floats (Gemma's 2048 and 1024) are normalized from
  * registers: one float4 load per element group, the statistics from the registers, one 8-byte store
  * per 4 outputs (a global round trip, not three passes over the row). Other rows loop over memory. */
 #define NORM_VEC 2
@@ -92,28 +97,62 @@ static __device__ __forceinline__ void store_row(__nv_bfloat16 *out, const float
     }
 }
 
-static __global__ void layernorm_kernel(__nv_bfloat16 *out, const float *in, int dim, const float *w, const float *b,
-                                        float eps, int in_registers) {
-    const float *x = in + (size_t)blockIdx.x * dim;
-    out += (size_t)blockIdx.x * dim;
+/* LayerNorm (the ViT's): a warp a row, LN_ROWS rows a block. A row of up to 4 * 32 * LN_WARP_VEC floats (SigLIP's 1152:
+ * 9 float4 a lane) is normalized from registers, loaded with its w and b in one round trip, its mean and variance by
+ * shuffles: no block barrier. A block a row, as the RMSNorms run, took two block sums (four barriers) between the load
+ * and the stores: vision -0.01 to -0.02 ms this way (bench/NOTES.md, session 46). Other rows loop over memory. */
+#define LN_WARP_VEC 9
+#define LN_ROWS 2
+
+static int layernorm_in_registers(int dim, const void *in, const void *out, const float *w, const float *b) {
+    return dim % 4 == 0 && dim <= 4 * 32 * LN_WARP_VEC && (uintptr_t)in % 16 == 0 && (uintptr_t)out % 8 == 0 &&
+           (uintptr_t)w % 16 == 0 && (uintptr_t)b % 16 == 0;
+}
+
+static __global__ void layernorm_kernel(__nv_bfloat16 *out, const float *in, int rows, int dim, const float *w,
+                                        const float *b, float eps, int in_registers) {
+    const int row = blockIdx.x * LN_ROWS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const float *x = in + (size_t)row * dim;
+    out += (size_t)row * dim;
     if (in_registers) {
-        float4 v[NORM_VEC], g[NORM_VEC], o[NORM_VEC];
-        load_row(v, x, dim);
-        load_vec(g, w, dim), load_vec(o, b, dim);
-        float sum = 0;
+        const int n4 = dim / 4;
+        const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 v[LN_WARP_VEC], g[LN_WARP_VEC], o[LN_WARP_VEC];
+        float sum = 0, sq = 0;
 #pragma unroll
-        for (int q = 0; q < NORM_VEC; q++) sum += v[q].x + v[q].y + v[q].z + v[q].w;
-        float mean = block_sum(sum) / (float)dim;
-        float inv = rsqrtf(block_sum(sum_squares(v, dim, mean)) / (float)dim + eps);
-        store_row(out, v, dim, mean, inv, g, 0.0f, o);
+        for (int q = 0; q < LN_WARP_VEC; q++) {
+            const int i = lane + q * 32;
+            v[q] = i < n4 ? reinterpret_cast<const float4 *>(x)[i] : zero;
+            g[q] = i < n4 ? reinterpret_cast<const float4 *>(w)[i] : zero;
+            o[q] = i < n4 ? reinterpret_cast<const float4 *>(b)[i] : zero;
+            sum += v[q].x + v[q].y + v[q].z + v[q].w;
+        }
+        const float mean = warp_sum(sum) / (float)dim;
+#pragma unroll
+        for (int q = 0; q < LN_WARP_VEC; q++) {
+            if (lane + q * 32 >= n4) continue;
+            const float4 d = make_float4(v[q].x - mean, v[q].y - mean, v[q].z - mean, v[q].w - mean);
+            sq += d.x * d.x + d.y * d.y + d.z * d.z + d.w * d.w;
+        }
+        const float inv = rsqrtf(warp_sum(sq) / (float)dim + eps);
+#pragma unroll
+        for (int q = 0; q < LN_WARP_VEC; q++) {
+            const int i = lane + q * 32;
+            if (i >= n4) continue;
+            uint2 r;
+            r.x = pack_bf16((v[q].x - mean) * inv * g[q].x + o[q].x, (v[q].y - mean) * inv * g[q].y + o[q].y);
+            r.y = pack_bf16((v[q].z - mean) * inv * g[q].z + o[q].z, (v[q].w - mean) * inv * g[q].w + o[q].w);
+            reinterpret_cast<uint2 *>(out)[i] = r;
+        }
         return;
     }
-    float sum = 0;
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) sum += x[j];
-    float mean = block_sum(sum) / (float)dim, sq = 0;
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) sq += (x[j] - mean) * (x[j] - mean);
-    float inv = rsqrtf(block_sum(sq) / (float)dim + eps);
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) out[j] = __float2bfloat16((x[j] - mean) * inv * w[j] + b[j]);
+    float sum = 0, sq = 0;
+    for (int j = lane; j < dim; j += 32) sum += x[j];
+    const float mean = warp_sum(sum) / (float)dim;
+    for (int j = lane; j < dim; j += 32) sq += (x[j] - mean) * (x[j] - mean);
+    const float inv = rsqrtf(warp_sum(sq) / (float)dim + eps);
+    for (int j = lane; j < dim; j += 32) out[j] = __float2bfloat16((x[j] - mean) * inv * w[j] + b[j]);
 }
 
 /* RMSNorm with Gemma's (1 + w), plus `shift` when given: Pi0.5's adaptive norm, w being its scale. w NULL:
@@ -489,8 +528,8 @@ extern "C" {
 cudaError_t pi0_cuda_layernorm(pi0_bf16 *out, const float *in, int rows, int dim, const float *w, const float *b,
                                float eps, cudaStream_t stream) {
     if (rows > 0)
-        layernorm_kernel<<<rows, NORM_THREADS, 0, stream>>>(as_bf16(out), in, dim, w, b, eps,
-                                                           norm_in_registers(dim, in, out, w, b));
+        layernorm_kernel<<<(rows + LN_ROWS - 1) / LN_ROWS, 32 * LN_ROWS, 0, stream>>>(
+            as_bf16(out), in, rows, dim, w, b, eps, layernorm_in_registers(dim, in, out, w, b));
     return cudaGetLastError();
 }
 
