@@ -109,7 +109,8 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
     int qkv_dim = q_dim + 2 * kv_dim;
     const gemma_buffers *b = r->b;
     const norm_mod none = {0}, *attn = mods ? &mods->attn : &none, *mlp = mods ? &mods->mlp : &none;
-    const int narrow = !mods && r->rows <= SKINNY_NARROW_MAX_ROWS ? SKINNY_NARROW_WARPS : 0;
+    const int few = r->rows <= SKINNY_NARROW_MAX_ROWS; /* o_proj at 8 warps; down too for Pi0 (skinny.h) */
+    const int narrow_o = few ? SKINNY_NARROW_WARPS : 0, narrow_down = few && !mods ? SKINNY_NARROW_WARPS : 0;
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = qkv_dim, .k = W, .x = r->x_bf16, .w = l->qkv_w, .rms_norm = 1,
                                 .eps = NORM_EPS, .in_scale = attn->linear_scale, .col_bias = attn->linear_bias,
                                 .epilogue = SKINNY_ROPE_QKV, .out = b->qkv, .heads = d->num_heads,
@@ -120,14 +121,14 @@ static pi0_status gemma_block_skinny(cuda_state *s, const gpu_gemma_layer *l, co
                                    r->max_q, r->max_k, d->num_heads, d->num_kv_heads, hd, 1.0f / sqrtf((float)hd),
                                    r->attn_ws, r->attn_ws_bytes, r->attn_sms, s->stream));
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = W, .k = q_dim, .x = b->att, .w = l->o_w, .epilogue = SKINNY_RESIDUAL,
-                                .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate, .max_warps = narrow},
+                                .residual = r->x, .residual_bf16 = r->x_bf16, .gate = attn->gate, .max_warps = narrow_o},
               err));
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = 2 * d->mlp_dim, .k = W, .x = r->x_bf16, .w = l->gate_up_w,
                                 .rms_norm = 1, .eps = NORM_EPS, .in_scale = mlp->linear_scale,
                                 .col_bias = mlp->linear_bias, .epilogue = SKINNY_GELU_MUL, .out = b->mlp}, err));
     TRY(skinny(s, (skinny_args){.m = r->rows, .n = W, .k = d->mlp_dim, .x = b->mlp, .w = l->down_w,
                                 .epilogue = SKINNY_RESIDUAL, .residual = r->x, .residual_bf16 = r->x_bf16,
-                                .gate = mlp->gate, .max_warps = narrow}, err));
+                                .gate = mlp->gate, .max_warps = narrow_down}, err));
     return PI0_OK;
 }
 

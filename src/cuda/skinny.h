@@ -44,12 +44,13 @@ enum { SKINNY_STORE, SKINNY_GELU_MUL, SKINNY_RESIDUAL, SKINNY_ROPE_QKV };
  * Linear through L2 (bench/NOTES.md, session 16). */
 #define SKINNY_MAX_ROWS 32
 
-/* The warps a block of Pi0's o_proj and down takes up to SKINNY_NARROW_MAX_ROWS rows (skinny_args.max_warps;
- * forward.c, and the lab as forward.c runs them): 8 warps of 8 chunks fit on a multiprocessor beside the last blocks
- * of the kernel before (the attention's merge, the 4-warp gate|up), so their weights start streaming under its tail.
- * Alone each is slower (down 5.09 -> 5.83 us), in the layer they gain (25.0 -> 24.1 us on an H100, the seed's denoise
- * 4.12 -> 3.99 ms). Not for Pi0.5, where it cost 0.04-0.12 ms of denoise in every pair (why is not known:
- * bench/NOTES.md, session 34). */
+/* The warps a block of the expert's o_proj and Pi0's down takes up to SKINNY_NARROW_MAX_ROWS rows
+ * (skinny_args.max_warps; forward.c, and the lab as forward.c runs Pi0's layer): 8 warps of 8 chunks fit on a
+ * multiprocessor beside the last blocks of the kernel before (the attention's merge, the 4-warp gate|up), so their
+ * weights start streaming under its tail. Alone each is slower (down 5.09 -> 5.83 us), in the layer they gain (25.0 ->
+ * 24.1 us on an H100, the seed's denoise 4.12 -> 3.99 ms). Pi0.5 takes it for o_proj only: there o_proj alone gains
+ * (denoise 4.01-4.02 -> 3.93 ms on an H200), down alone less (3.95) and both lose (4.06); why is not known
+ * (bench/NOTES.md, sessions 34, 35 and 47). */
 #define SKINNY_NARROW_WARPS 8
 #define SKINNY_NARROW_MAX_ROWS 16
 

@@ -169,6 +169,7 @@ TEST(pi05_expert_shapes) {
     /* batch 1, horizon 10: 10 rows, the adaptive norms' scale and shift, the gated residuals */
     run_case((skinny_case){10, 2560, 1024, SKINNY_STORE, 1, 1});
     run_case((skinny_case){10, 1024, 2048, SKINNY_RESIDUAL, 0, 1});
+    run_case_warps((skinny_case){10, 1024, 2048, SKINNY_RESIDUAL, 0, 1}, SKINNY_NARROW_WARPS); /* o_proj as Pi0.5 runs it */
     run_case((skinny_case){10, 8192, 1024, SKINNY_GELU_MUL, 1, 1});
     run_case((skinny_case){10, 1024, 4096, SKINNY_RESIDUAL, 0, 1});
     run_case((skinny_case){50, 1024, 4096, SKINNY_RESIDUAL, 0, 1}); /* horizon 50 */
