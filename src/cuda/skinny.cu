@@ -221,9 +221,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     /* RoPE's factors for this thread's first output pair (e = threadIdx.x in the epilogue): constants of the step,
      * read now, so that the epilogue's two dependent loads (position, then factors) are not on the chain after the
      * product. */
+    const bool rope_first = rope && (int)threadIdx.x < ROWS * (NC / 2) && m0 + (int)threadIdx.x / (NC / 2) < p.m;
     RopeAt early_rope = {0.f, 0.f, 0};
-    if (rope && (int)threadIdx.x < ROWS * (NC / 2) && m0 + (int)threadIdx.x / (NC / 2) < p.m)
-        early_rope = rope_at(p, m0 + (int)threadIdx.x / (NC / 2), i0 + (int)threadIdx.x % (NC / 2));
+    if (rope_first) early_rope = rope_at(p, m0 + (int)threadIdx.x / (NC / 2), i0 + (int)threadIdx.x % (NC / 2));
 
     /* Outputs (columns, or column pairs) per block row: a power of two, so that the epilogue's index math is shifts
      * (a division here is ~20 dependent instructions on the chain after the product). */
@@ -236,8 +236,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) skinny_kernel(SkinnyParams 
     float2 early_bias = make_float2(0.f, 0.f);
     if (R == 1 && p.col_bias) {
         int lo = -1, hi = -1;
-        if (rope && (int)threadIdx.x < ROWS * (NC / 2) && m0 + (int)threadIdx.x / (NC / 2) < p.m)
-            lo = head * p.head_dim + i0 + (int)threadIdx.x % (NC / 2), hi = lo + p.head_dim / 2;
+        if (rope_first) lo = head * p.head_dim + i0 + (int)threadIdx.x % (NC / 2), hi = lo + p.head_dim / 2;
         else if (!rope) { /* the epilogue's first output below */
             const int pairs = p.epilogue == SKINNY_GELU_MUL, row_shift = LOG2_NC - pairs, per_row = 1 << row_shift;
             const int m = m0 + ((int)threadIdx.x >> row_shift), n = n0 + (((int)threadIdx.x & (per_row - 1)) << pairs);
