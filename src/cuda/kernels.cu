@@ -58,14 +58,13 @@ static __device__ __forceinline__ void load_row(float4 (&v)[NORM_VEC], const flo
     }
 }
 
-/* The sum over this thread's groups of (v - shift)^2, the zero padding past the row left out. */
-static __device__ __forceinline__ float sum_squares(const float4 (&v)[NORM_VEC], int dim, float shift) {
+/* The sum over this thread's groups of v^2, the zero padding past the row left out. */
+static __device__ __forceinline__ float sum_squares(const float4 (&v)[NORM_VEC], int dim) {
     float sq = 0;
 #pragma unroll
     for (int q = 0; q < NORM_VEC; q++) {
         if (threadIdx.x + q * NORM_THREADS >= dim / 4) continue;
-        float4 d = make_float4(v[q].x - shift, v[q].y - shift, v[q].z - shift, v[q].w - shift);
-        sq += d.x * d.x + d.y * d.y + d.z * d.z + d.w * d.w;
+        sq += v[q].x * v[q].x + v[q].y * v[q].y + v[q].z * v[q].z + v[q].w * v[q].w;
     }
     return sq;
 }
@@ -80,19 +79,17 @@ static __device__ __forceinline__ void load_vec(float4 (&g)[NORM_VEC], const flo
         for (int q = 0; q < NORM_VEC; q++) g[q] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-/* out[4i..4i+3] = (v - shift) * scale * (w_add + w) + b for this thread's groups, w and b loaded (load_vec). */
-static __device__ __forceinline__ void store_row(__nv_bfloat16 *out, const float4 (&v)[NORM_VEC], int dim, float shift,
-                                                 float scale, const float4 (&g)[NORM_VEC], float w_add,
-                                                 const float4 (&o)[NORM_VEC]) {
+/* out[4i..4i+3] = v * scale * (1 + w) + shift for this thread's groups (Gemma's RMSNorm, Pi0.5's adaptive shift), w and
+ * shift loaded (load_vec). */
+static __device__ __forceinline__ void store_row(__nv_bfloat16 *out, const float4 (&v)[NORM_VEC], int dim, float scale,
+                                                 const float4 (&g)[NORM_VEC], const float4 (&o)[NORM_VEC]) {
 #pragma unroll
     for (int q = 0; q < NORM_VEC; q++) {
         int i = threadIdx.x + q * NORM_THREADS;
         if (i >= dim / 4) continue;
         uint2 r;
-        r.x = pack_bf16((v[q].x - shift) * scale * (w_add + g[q].x) + o[q].x,
-                        (v[q].y - shift) * scale * (w_add + g[q].y) + o[q].y);
-        r.y = pack_bf16((v[q].z - shift) * scale * (w_add + g[q].z) + o[q].z,
-                        (v[q].w - shift) * scale * (w_add + g[q].w) + o[q].w);
+        r.x = pack_bf16(v[q].x * scale * (1.0f + g[q].x) + o[q].x, v[q].y * scale * (1.0f + g[q].y) + o[q].y);
+        r.y = pack_bf16(v[q].z * scale * (1.0f + g[q].z) + o[q].z, v[q].w * scale * (1.0f + g[q].w) + o[q].w);
         reinterpret_cast<uint2 *>(out)[i] = r;
     }
 }
@@ -168,8 +165,8 @@ static __global__ void rmsnorm_kernel(__nv_bfloat16 *out, const float *in, const
         float4 v[NORM_VEC], g[NORM_VEC], o[NORM_VEC];
         load_row(v, x, dim);
         load_vec(g, w, dim), load_vec(o, shift, dim);
-        float inv = rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps);
-        store_row(out, v, dim, 0.0f, inv, g, 1.0f, o);
+        float inv = rsqrtf(block_sum(sum_squares(v, dim)) / (float)dim + eps);
+        store_row(out, v, dim, inv, g, o);
         return;
     }
     float sq = 0;
@@ -213,8 +210,8 @@ static __global__ void add_parts_rmsnorm_kernel(__nv_bfloat16 *out, float *x, co
         int i = threadIdx.x + q * NORM_THREADS;
         if (i < dim / 4) reinterpret_cast<float4 *>(x + at)[i] = v[q];
     }
-    float inv = rsqrtf(block_sum(sum_squares(v, dim, 0.0f)) / (float)dim + eps);
-    store_row(out + at, v, dim, 0.0f, inv, nw, 1.0f, ns);
+    float inv = rsqrtf(block_sum(sum_squares(v, dim)) / (float)dim + eps);
+    store_row(out + at, v, dim, inv, nw, ns);
 }
 
 static __global__ void one_plus_bf16_kernel(__nv_bfloat16 *out, const float *scale, size_t n) {
