@@ -44,9 +44,14 @@ static __device__ float block_sum(float v) {
 
 static int norm_row_fits(int dim) { return dim % 4 == 0 && dim <= 4 * NORM_VEC * NORM_THREADS; }
 
+/* What the vector loads and stores of a row from registers need: float4 input, weight and bias (NULL passes), 8-byte
+ * output. */
+static int norm_aligned(const void *in, const void *out, const float *w, const float *b) {
+    return (uintptr_t)in % 16 == 0 && (uintptr_t)out % 8 == 0 && (uintptr_t)w % 16 == 0 && (uintptr_t)b % 16 == 0;
+}
+
 static int norm_in_registers(int dim, const void *in, const void *out, const float *w, const float *b) {
-    return norm_row_fits(dim) && (uintptr_t)in % 16 == 0 && (uintptr_t)out % 8 == 0 && (uintptr_t)w % 16 == 0 &&
-           (uintptr_t)b % 16 == 0;
+    return norm_row_fits(dim) && norm_aligned(in, out, w, b);
 }
 
 /* This thread's float4 groups of the row (zeros past its end). */
@@ -102,8 +107,7 @@ static __device__ __forceinline__ void store_row(__nv_bfloat16 *out, const float
 #define LN_ROWS 2
 
 static int layernorm_in_registers(int dim, const void *in, const void *out, const float *w, const float *b) {
-    return dim % 4 == 0 && dim <= 4 * 32 * LN_WARP_VEC && (uintptr_t)in % 16 == 0 && (uintptr_t)out % 8 == 0 &&
-           (uintptr_t)w % 16 == 0 && (uintptr_t)b % 16 == 0;
+    return dim % 4 == 0 && dim <= 4 * 32 * LN_WARP_VEC && norm_aligned(in, out, w, b);
 }
 
 static __global__ void layernorm_kernel(__nv_bfloat16 *out, const float *in, int rows, int dim, const float *w,
