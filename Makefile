@@ -86,7 +86,7 @@ LIB_SRC += $(wildcard src/cuda/*.c)
 CFLAGS_ALL += -DPI0_WITH_CUDA -isystem $(CUDA_HOME)/include
 LDLIBS_ALL += -L$(CUDA_HOME)/lib64 -lcublasLt -lcudart -lstdc++
 GPU_TEST_BIN = $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(wildcard tests/gpu/test_*.c))
-LAB_BIN = $(BUILD)/bench/layer_lab $(BUILD)/bench/gate_up_lab
+LAB_BIN = $(BUILD)/bench/layer_lab $(BUILD)/bench/gate_up_lab $(BUILD)/bench/clock_lab
 # PI0_SM90A_BUILD: the build has Hopper's sm_90a code (wgmma, tensor copies), which the attention's Hopper kernel needs.
 NVCCFLAGS = -O3 -std=c++17 $(CUDA_ARCHS) -Xcompiler -fPIC,-fvisibility=hidden -Iinclude -Isrc --expt-relaxed-constexpr \
             -Werror all-warnings $(if $(findstring 90a,$(CUDA_ARCHS)),-DPI0_SM90A_BUILD)
@@ -148,6 +148,11 @@ $(BUILD)/pi0: $(CLI_OBJ) $(BUILD)/libpi0.a $(SERVER_ARCHIVE)
 $(BUILD)/bench/%: bench/%.c $(BUILD)/libpi0.a $(CONFIG)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_ALL) -MMD -MP -o $@ $< $(PROGRAM_LIBS)
+
+# The clock lab's kernels are its own, not the library's.
+$(BUILD)/bench/clock_lab: bench/clock_lab.c $(BUILD)/bench/clock_lab_kernels.cu.o $(CONFIG)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -MMD -MP -o $@ $< $(BUILD)/bench/clock_lab_kernels.cu.o $(LDLIBS_ALL)
 
 $(BUILD)/tests/%: tests/%.c $(BUILD)/libpi0.a $(SERVER_ARCHIVE) $(CONFIG)
 	@mkdir -p $(dir $@)

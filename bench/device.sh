@@ -38,8 +38,10 @@ make_args=(BLAS_CFLAGS="-I$root/usr/include/x86_64-linux-gnu/openblas-openmp" BL
 nvidia-smi --query-gpu=name,driver_version,vbios_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.limit,pstate --format=csv | tee "$OUT/gpu.txt"
 make -j16 "${make_args[@]}" all > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 gpu_tests=$(ls tests/gpu/test_*.c | sed 's#tests/gpu/\(.*\)\.c#build/tests/gpu/\1#')
-make -j16 "${make_args[@]}" build/bench/layer_lab build/bench/gate_up_lab $gpu_tests >> "$OUT/build.log" 2>&1 \
+make -j16 "${make_args[@]}" build/bench/layer_lab build/bench/gate_up_lab build/bench/clock_lab $gpu_tests >> "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; exit 1; }
+# The clock a multiprocessor runs at under tensor work, which nvidia-smi does not show and lent machines may differ in
+build/bench/clock_lab --brief | tee -a "$OUT/gpu.txt"
 
 if want tests; then
     PI0_BIN=build/pi0 PI0_LOG_DIR=build/logs tests/run.sh $gpu_tests tests/gpu/footprint.sh 2>&1 | tee "$OUT/test-gpu.log" | grep -E '^(ok|FAIL|broken|[0-9]+ passed)'
@@ -47,9 +49,10 @@ if want tests; then
 fi
 # BEFORE="VAR=value" adds a same-run "before" row for the seed workload and H=50 (an A/B knob).
 run() { echo "## ${AB:+$AB }build/pi0 bench $*"; env ${AB:-} build/pi0 bench "$@" --json; }
-if [[ $modes == *" lab "* ]]; then    # per-kernel cost of one denoise layer in a graph (bench/layer_lab.c), and the
-    build/bench/layer_lab | tee "$OUT/lab.txt"       # prefix's gate|up two ways (bench/gate_up_lab.c)
-    build/bench/gate_up_lab | tee "$OUT/gate_up_lab.txt"
+if [[ $modes == *" lab "* ]]; then    # per-kernel cost of one denoise layer in a graph (bench/layer_lab.c), the
+    build/bench/layer_lab | tee "$OUT/lab.txt"       # prefix's gate|up two ways (bench/gate_up_lab.c), and the clock
+    build/bench/gate_up_lab | tee "$OUT/gate_up_lab.txt"    # under each kind of work (bench/clock_lab.c)
+    build/bench/clock_lab | tee "$OUT/clock_lab.txt"
 fi
 if [[ $modes == *" quick "* ]]; then   # the seed workload and H=50 only (with BEFORE rows): a fast A/B
     {
