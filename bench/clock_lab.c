@@ -17,15 +17,7 @@
 #include <string.h>
 
 #include "clock_lab.h"
-
-#define CK(call)                                                                              \
-    do {                                                                                      \
-        cudaError_t e_ = (call);                                                              \
-        if (e_ != cudaSuccess) {                                                              \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                          \
-        }                                                                                     \
-    } while (0)
+#include "lab.h"
 
 #define PERIOD_NS 2000LL  /* a sample every 2 us */
 #define LEAD_NS 200000LL  /* the load starts this long after it is launched, so that the sampler runs by then */

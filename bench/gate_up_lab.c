@@ -18,15 +18,7 @@
 #include "cuda/gate_up.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
-
-#define CK(call)                                                                            \
-    do {                                                                                    \
-        cudaError_t e_ = (call);                                                            \
-        if (e_ != cudaSuccess) {                                                            \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                        \
-        }                                                                                   \
-    } while (0)
+#include "lab.h"
 
 #define REPS 9
 

@@ -23,6 +23,7 @@
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/skinny.h"
+#include "lab.h"
 
 #define LAYERS 18
 #define REPS 36
@@ -36,15 +37,6 @@
 #define VIT_HEADS 16
 #define VIT_HEAD_DIM 72
 #define VIT_WIDTH (VIT_HEADS * VIT_HEAD_DIM)
-
-#define CK(call)                                                                              \
-    do {                                                                                      \
-        cudaError_t e_ = (call);                                                              \
-        if (e_ != cudaSuccess) {                                                              \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                          \
-        }                                                                                     \
-    } while (0)
 
 typedef struct {
     pi0_bf16 *qkv_w, *o_w, *gate_up_w, *down_w;
