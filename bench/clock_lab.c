@@ -22,6 +22,7 @@
 #define PERIOD_NS 2000LL  /* a sample every 2 us */
 #define LEAD_NS 200000LL  /* the load starts this long after it is launched, so that the sampler runs by then */
 #define MAX_SAMPLES 1024
+#define MAX_SMS 1023      /* the map's length */
 
 typedef struct {
     int sms, sm; /* the device's multiprocessors; the one sampled */
@@ -98,6 +99,10 @@ int main(int argc, char **argv) {
     }
     setenv("CUDA_MODULE_LOADING", "EAGER", 0); /* a kernel's first launch must not wait for its module */
     CK(cudaDeviceGetAttribute(&l.sms, cudaDevAttrMultiProcessorCount, 0));
+    if (l.sms > MAX_SMS) {
+        fprintf(stderr, "clock_lab: the device has %d multiprocessors, more than the map's %d\n", l.sms, MAX_SMS);
+        return 1;
+    }
     if (l.sm < 0 || l.sm >= l.sms) {
         fprintf(stderr, "--sm must be in 0..%d\n", l.sms - 1);
         return 2;
@@ -111,14 +116,14 @@ int main(int argc, char **argv) {
 
     const long long ms = 1000000;
     const double idle = clock_under(&l, NO_LOAD, EVERY_SM, ms, ms, 0);
-    const double fma = clock_under(&l, CLOCK_LOAD_FMA, EVERY_SM, ms, ms, 0);
-    const double tensor = clock_under(&l, CLOCK_LOAD_TENSOR, EVERY_SM, ms, ms, 0);
-    const double bursts = clock_under(&l, CLOCK_LOAD_TENSOR, EVERY_SM, ms, 1000, 1000);
-    char map[1024];
-    if (idle < 0 || l.sms >= (int)sizeof map) {
+    if (idle < 0) {
         fprintf(stderr, "clock_lab: no sampler block landed on multiprocessor %d\n", l.sm);
         return 1;
     }
+    const double fma = clock_under(&l, CLOCK_LOAD_FMA, EVERY_SM, ms, ms, 0);
+    const double tensor = clock_under(&l, CLOCK_LOAD_TENSOR, EVERY_SM, ms, ms, 0);
+    const double bursts = clock_under(&l, CLOCK_LOAD_TENSOR, EVERY_SM, ms, 1000, 1000);
+    char map[MAX_SMS + 1];
     const int shared = clock_domain(&l, idle, map);
     if (brief) {
         printf("clock_lab: SM %d at %.0f MHz idle, %.0f with FMAs, %.0f with tensor products, %.0f with 1 us bursts of "
